@@ -1,0 +1,1 @@
+"""Model core: config parsing, weights, reference layers and forward."""

@@ -1,0 +1,92 @@
+"""Kimi Delta Attention layer (reference, TP-sharded by heads).
+
+Per token x: q, k, v projections -> short causal conv + SiLU -> L2-norm (q scaled by K^-1/2);
+beta = sigmoid(b_proj x); per-channel log decay from the low-rank forget gate f_b(f_a(x));
+gated delta rule on the per-head state S [V, K]; output RMSNorm gated by sigmoid(g) with g
+low-rank (Kimi Linear) or full-rank (K3); row-parallel o_proj. Parameter names are HF's.
+
+State lives in the `SlotPool` only: every sequence reads its slot, advances it and writes it back.
+Prefill (more than one new token) uses the chunked form, decode the recurrent form.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.model import kda_ops
+from pdserve.model.batch import ForwardBatch
+from pdserve.model.parallel import Linear, TPGroup, sharded
+from pdserve.state.pools import SlotPool
+
+
+class KDAAttention(nn.Module):
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        la = config.linear_attn_config
+        hidden, H, D, W = config.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size
+        self.heads, self.head_dim = tp.split(H, "linear_attn_config.num_heads"), D
+        self.lower_bound, self.eps = la.gate_lower_bound, config.rms_norm_eps
+        proj = H * D
+        self.q_proj = Linear(hidden, proj, tp, "column", dtype)
+        self.k_proj = Linear(hidden, proj, tp, "column", dtype)
+        self.v_proj = Linear(hidden, proj, tp, "column", dtype)
+        # Conv and decay parameters stay fp32 whatever the runtime dtype (as vLLM keeps them).
+        self.q_conv1d = _Conv(proj, W, tp)
+        self.k_conv1d = _Conv(proj, W, tp)
+        self.v_conv1d = _Conv(proj, W, tp)
+        self.f_a_proj = Linear(hidden, D, tp, "replicated", dtype)
+        self.f_b_proj = Linear(D, proj, tp, "column", dtype)
+        self.A_log = sharded((1, 1, H, 1), 2, tp, torch.float32, "a_log")
+        self.dt_bias = sharded((proj,), 0, tp, torch.float32, "dt_bias")
+        self.b_proj = Linear(hidden, H, tp, "column", dtype)
+        if la.use_full_rank_gate:
+            self.g_proj = Linear(hidden, proj, tp, "column", dtype)
+        else:
+            self.g_a_proj = Linear(hidden, D, tp, "replicated", dtype)
+            self.g_b_proj = Linear(D, proj, tp, "column", dtype)
+        self.o_norm = _Norm(D)
+        self.o_proj = Linear(proj, hidden, tp, "row", dtype)
+
+    def conv_weight(self) -> torch.Tensor:
+        """[3*H_local*D, W], packed [q | k | v] like the conv state's channels."""
+        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SlotPool,
+                layer: int) -> torch.Tensor:
+        T, H, D = x.shape[0], self.heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float()
+        f = self.f_b_proj(self.f_a_proj(x)).float().view(T, H, D)
+        g = kda_ops.kda_log_decay(f, self.A_log.view(H), self.dt_bias.view(H, D),
+                                  self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        conv_w = self.conv_weight()
+
+        o = torch.empty(T, H, D, dtype=torch.float32, device=x.device)
+        for seq in batch.seqs:
+            rows = seq.rows
+            state, conv_state = pool.read(layer, seq.table.kda_slot)
+            mixed, conv_state = kda_ops.short_conv(qkv[rows], conv_w, conv_state)
+            q, k, v = mixed.view(seq.length, 3, H, D).unbind(1)
+            q = kda_ops.l2_normalize(q) * D ** -0.5
+            k = kda_ops.l2_normalize(k)
+            rule = kda_ops.delta_rule_recurrent if seq.length == 1 else kda_ops.delta_rule_chunked
+            o[rows], state = rule(q, k, v, g[rows], beta[rows], state)
+            pool.write(layer, seq.table.kda_slot, state, conv_state)
+
+        out = kda_ops.gated_rmsnorm(o, self.o_norm.weight, gate.float().view(T, H, D), self.eps)
+        return self.o_proj(out.reshape(T, H * D).to(x.dtype))
+
+
+class _Conv(nn.Module):
+    """Depthwise conv weight in HF's [C, 1, W] shape, split by channel."""
+
+    def __init__(self, channels: int, width: int, tp: TPGroup):
+        super().__init__()
+        self.weight = sharded((channels, 1, width), 0, tp, torch.float32, "conv")
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = sharded((dim,), None, TPGroup(), torch.float32, "norm")

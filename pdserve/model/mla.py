@@ -1,0 +1,107 @@
+"""Multi-head latent attention with NoPE (reference, TP-sharded by heads, latent replicated).
+
+Cache per token: [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], c_kv = RMSNorm(kv_a). Two forms
+over the same cached rows, read back from the `LatentPool`:
+- naive (prefill): expand c_kv through kv_b_proj into per-head k_nope and v, causal softmax;
+- absorbed (decode): q_nope is pulled into the latent space with W_UK, attention runs as MQA over
+  the 576-wide rows, and W_UV maps the latent output back to v_head_dim per head.
+Scale is (qk_nope + qk_rope)^-1/2. K3 adds q_lora (q_a -> RMSNorm -> q_b) and a sigmoid output gate.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.model.batch import ForwardBatch
+from pdserve.model.norms import RMSNorm
+from pdserve.model.parallel import Linear, TPGroup
+from pdserve.state.pools import LatentPool
+
+
+def absorbed_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int,
+                       scale: float, causal_offset: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQA over latent rows. q_abs [T, H, R+P], rows [L, R+P] -> (latent out [T, H, R], lse [T, H]).
+
+    With `causal_offset` o, query i sees rows 0..o+i (a prefill chunk in absorbed form)."""
+    scores = torch.einsum("thc,lc->thl", q_abs.float(), rows.float()) * scale
+    if causal_offset is not None:
+        T, L = q_abs.shape[0], rows.shape[0]
+        visible = torch.arange(L)[None, :] <= causal_offset + torch.arange(T)[:, None]
+        scores = scores.masked_fill(~visible[:, None, :].to(scores.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("thl,lr->thr", torch.exp(scores - lse[..., None]), rows[:, :kv_lora_rank].float())
+    return out, lse
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden = config.hidden_size
+        H = config.num_attention_heads
+        self.heads = tp.split(H, "num_attention_heads")
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        qk = self.nope + self.rope
+        if config.q_lora_rank is None:
+            self.q_proj = Linear(hidden, H * qk, tp, "column", dtype)
+        else:
+            self.q_a_proj = Linear(hidden, config.q_lora_rank, tp, "replicated", dtype)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(config.q_lora_rank, H * qk, tp, "column", dtype)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, tp, "replicated", dtype)
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(self.rank, H * (self.nope + self.v_dim), tp, "column", dtype)
+        if config.mla_use_output_gate:
+            self.g_proj = Linear(hidden, H * self.v_dim, tp, "column", dtype)
+        self.o_proj = Linear(H * self.v_dim, hidden, tp, "row", dtype)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(
+            self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.heads, self.nope + self.rope)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """Cache rows [T, R + P] for the new tokens."""
+        kv = self.kv_a_proj_with_mqa(x)
+        return torch.cat([self.kv_a_layernorm(kv[:, :self.rank]), kv[:, self.rank:]], dim=-1)
+
+    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, R] and W_UV [H, v, R] from kv_b_proj."""
+        w = self.kv_b_proj.weight.float().view(self.heads, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: LatentPool,
+                layer: int) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.query(x).float()
+        new_rows = self.latent(x)
+        out = torch.empty(T, self.heads, self.v_dim, dtype=torch.float32, device=x.device)
+        for seq in batch.seqs:
+            pool.write(layer, seq.pages, seq.context, new_rows[seq.rows])
+            rows = pool.read(layer, seq.pages, seq.context + seq.length)
+            attend = self._absorbed if seq.length == 1 else self._naive
+            out[seq.rows] = attend(q[seq.rows], rows, seq.context)
+        if hasattr(self, "g_proj"):
+            out = out * torch.sigmoid(self.g_proj(x).float().view(T, self.heads, self.v_dim))
+        return self.o_proj(out.reshape(T, -1).to(x.dtype))
+
+    def _naive(self, q: torch.Tensor, rows: torch.Tensor, context: int) -> torch.Tensor:
+        T, L = q.shape[0], rows.shape[0]
+        kv = (rows[:, :self.rank] @ self.kv_b_proj.weight.float().t()).view(
+            L, self.heads, self.nope + self.v_dim)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        k_pe = rows[:, self.rank:]
+        scores = (torch.einsum("thd,lhd->thl", q[..., :self.nope], k_nope)
+                  + torch.einsum("thd,ld->thl", q[..., self.nope:], k_pe)) * self.scale
+        visible = torch.arange(L)[None, :] <= context + torch.arange(T)[:, None]
+        scores = scores.masked_fill(~visible[:, None, :].to(scores.device), float("-inf"))
+        return torch.einsum("thl,lhd->thd", torch.softmax(scores, dim=-1), v)
+
+    def _absorbed(self, q: torch.Tensor, rows: torch.Tensor, context: int) -> torch.Tensor:
+        w_uk, w_uv = self.w_uk_uv()
+        q_abs = torch.cat([torch.einsum("thn,hnr->thr", q[..., :self.nope], w_uk),
+                           q[..., self.nope:]], dim=-1)
+        lat, _ = absorbed_attention(q_abs, rows, self.rank, self.scale, causal_offset=context)
+        return torch.einsum("thr,hvr->thv", lat, w_uv)

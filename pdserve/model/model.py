@@ -1,0 +1,110 @@
+"""The hybrid KDA + MLA decoder (Kimi Linear; K3 minus AttnRes / latent MoE / SiTU for now).
+
+embed -> per layer: x += attn(input_layernorm(x)); x += ffn(post_attention_layernorm(x))
+-> norm -> lm_head. Layer i is KDA or MLA by the config's 1-indexed lists; FFN i is MoE when
+i >= first_k_dense_replace and i % moe_layer_freq == 0, else the dense MLP. Embedding and LM head
+are split over the vocabulary across TP ranks.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.model.batch import ForwardBatch
+from pdserve.model.kda import KDAAttention
+from pdserve.model.mla import MLAAttention
+from pdserve.model.moe import MLP, MoE
+from pdserve.model.norms import RMSNorm
+from pdserve.model.parallel import TPGroup, sharded
+from pdserve.state.pools import StatePools
+
+
+class NotSupportedYet(NotImplementedError):
+    """The config parses but uses a feature the reference model does not implement yet."""
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, i: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.is_kda = config.is_kda_layer(i)
+        self.self_attn = (KDAAttention if self.is_kda else MLAAttention)(config, tp, dtype)
+        if config.is_moe_layer(i):
+            self.block_sparse_moe = MoE(config, tp, dtype)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, batch, pools: StatePools, cache_index: int) -> torch.Tensor:
+        pool = pools.slots if self.is_kda else pools.latent
+        x = x + self.self_attn(self.input_layernorm(x), batch, pool, cache_index)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return x + ffn(self.post_attention_layernorm(x))
+
+
+class _Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.weight = sharded((vocab, hidden), 0, tp, dtype, "embedding")
+        self.tp = tp
+        self.offset = tp.rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.offset
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        x = self.weight[local.clamp(0, self.weight.shape[0] - 1)] * inside[:, None]
+        return self.tp.all_reduce(x)
+
+
+class _Inner(nn.Module):  # "model." prefix of the HF parameter names
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class _LMHead(nn.Module):
+    def __init__(self, vocab: int, hidden: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.weight = sharded((vocab, hidden), 0, tp, dtype, "linear")
+
+
+class HybridModel(nn.Module):
+    """Weights are uninitialized after construction: use `pdserve.model.weights` to fill them."""
+
+    def __init__(self, config, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        missing = config.unsupported_features
+        if missing:
+            raise NotSupportedYet(f"{config.model_type}: not yet supported by the reference "
+                                  f"model: {', '.join(missing)}")
+        self.config, self.tp, self.dtype = config, tp or TPGroup(), dtype
+        if config.tie_word_embeddings:
+            raise NotSupportedYet("tie_word_embeddings=True is not supported yet")
+        config.validate(self.tp.size)
+        self.model = _Inner(config, self.tp, dtype)
+        self.lm_head = _LMHead(config.vocab_size, config.hidden_size, self.tp, dtype)
+        # index of each layer within its state group (KDA slot pool / latent pool)
+        kda, mla = config.kda_layer_ids, config.mla_layer_ids
+        self.cache_index = [kda.index(i) if i in kda else mla.index(i)
+                            for i in range(config.num_hidden_layers)]
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, pools: StatePools,
+                logit_rows: list[int] | None = None) -> torch.Tensor:
+        """Run one step; returns fp32 logits [len(logit_rows), vocab] (default: every row).
+
+        Cached state is read from and written to `pools` for every sequence of `batch`; the
+        caller advances each `table.num_tokens` afterwards."""
+        if token_ids.shape[0] != batch.num_rows:
+            raise ValueError(f"{token_ids.shape[0]} token ids for a batch of {batch.num_rows} rows")
+        x = self.model.embed_tokens(token_ids)
+        for layer, idx in zip(self.model.layers, self.cache_index):
+            x = layer(x, batch, pools, idx)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        x = self.model.norm(x)
+        logits = x.float() @ self.lm_head.weight.float().t()
+        return self.tp.all_gather_last(logits)

@@ -1,0 +1,92 @@
+"""Feed-forward blocks: the dense SiLU-gated MLP and the routed MoE with shared experts.
+
+Router (vLLM's grouped top-k, `noaux_tc`): scores = sigmoid(logits) (or softmax); experts are
+selected by scores + e_score_correction_bias (restricted to the best `topk_group` groups, a group
+scored by the sum of its two best biased scores); the weights are the UNbiased scores of the
+chosen experts, renormalized to sum to 1 when `moe_renormalize`, times `routed_scaling_factor`.
+Expert intermediates are split across TP ranks; routed + shared outputs are reduced once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.parallel import Linear, TPGroup, sharded
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); `reduce=False` leaves the row-parallel sum to the caller."""
+
+    def __init__(self, hidden: int, inter: int, tp: TPGroup, dtype: torch.dtype,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 reduce: bool = True):
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], Linear(hidden, inter, tp, "column", dtype))
+        setattr(self, names[1], Linear(hidden, inter, tp, "column", dtype))
+        setattr(self, names[2], Linear(inter, hidden, tp, "row", dtype, reduce=reduce))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, groups: int,
+          topk_group: int, func: str, renormalize: bool, scaling: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k]) for router logits [T, E]."""
+    logits = logits.float()
+    scores = torch.sigmoid(logits) if func == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    if groups > 1:
+        T, E = choice.shape
+        per_group = choice.view(T, groups, E // groups)
+        group_score = per_group.topk(min(2, E // groups), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        choice = per_group.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class Gate(nn.Module):
+    def __init__(self, hidden: int, experts: int, dtype: torch.dtype, with_bias: bool):
+        super().__init__()
+        self.weight = sharded((experts, hidden), None, TPGroup(), dtype, "linear")
+        if with_bias:
+            self.e_score_correction_bias = sharded((experts,), None, TPGroup(), torch.float32,
+                                                   "bias")
+
+
+class MoE(nn.Module):
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.cfg, self.tp = config, tp
+        self.gate = Gate(hidden, config.num_experts, dtype,
+                         with_bias=config.moe_router_activation_func == "sigmoid")
+        self.experts = nn.ModuleList(
+            MLP(hidden, inter, tp, dtype, names=("w1", "w3", "w2"), reduce=False)
+            for _ in range(config.num_experts))
+        if config.num_shared_experts:
+            self.shared_experts = MLP(hidden, inter * config.num_shared_experts, tp, dtype,
+                                      reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        logits = x.float() @ self.gate.weight.float().t()
+        weights, ids = route(logits, getattr(self.gate, "e_score_correction_bias", None),
+                             c.num_experts_per_token, c.num_expert_group, c.topk_group,
+                             c.moe_router_activation_func, c.moe_renormalize,
+                             c.routed_scaling_factor)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, self.experts[e](x[tok]).float() * weights[tok, slot, None])
+        if hasattr(self, "shared_experts"):
+            out += self.shared_experts(x).float()
+        return self.tp.all_reduce(out).to(x.dtype)

@@ -1,0 +1,102 @@
+"""Weights: deterministic seeded initialization and HF-format safetensors checkpoints.
+
+Both produce the FULL tensor of each parameter (by its HF name) and slice it for this TP rank, so
+every TP size and every process computes the same model. Seeded values depend only on
+(seed, parameter name): a parameter's generator is seeded from a hash of both.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pdserve.model.parallel import shard_of
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def init_full(name: str, shape: tuple[int, ...], kind: str, seed: int) -> torch.Tensor:
+    """The full fp32 tensor of parameter `name`, drawn from its own generator."""
+    g = _generator(seed, name)
+    if kind == "linear":  # variance-preserving, so deep random stacks keep sane activations
+        return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    if kind == "embedding":
+        return torch.randn(shape, generator=g)
+    if kind == "norm":  # near 1 but not exactly, so a wrongly sliced norm weight shows
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if kind == "conv":
+        return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    if kind == "a_log":  # A in [1, 16] as in the reference init
+        return torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=g))
+    if kind == "dt_bias":
+        return 0.5 * torch.randn(shape, generator=g)
+    if kind == "bias":
+        return 0.1 * torch.randn(shape, generator=g)
+    raise ValueError(f"{name}: unknown init kind {kind!r}")
+
+
+def init_seeded(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter of `model` with this rank's slice of the seeded full tensor."""
+    for name, p in model.named_parameters():
+        full = init_full(name, p.full_shape, p.init, seed)
+        p.data.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
+
+
+def full_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """The full (unsharded) seeded tensors by HF name — what a checkpoint of the model holds."""
+    return {name: init_full(name, p.full_shape, p.init, seed).to(p.dtype).contiguous()
+            for name, p in model.named_parameters()}
+
+
+def save_checkpoint(directory: str | Path, config, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write `config.json` + `model.safetensors` (HF layout) into `directory`."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / WEIGHTS_FILE))
+    return d
+
+
+def load_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load every parameter from the safetensors files in `directory`, slicing for this rank.
+
+    Missing or misshapen tensors raise with the parameter's name; unexpected ones are reported."""
+    d = Path(directory)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {d}")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                where[key] = f
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(where))
+    if missing:
+        raise KeyError(f"checkpoint {d} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    unexpected = sorted(set(where) - set(params))
+    if unexpected:
+        raise KeyError(f"checkpoint {d} has {len(unexpected)} tensors the model does not use, "
+                       f"e.g. {unexpected[:5]}")
+    by_file: dict[Path, list[str]] = {}
+    for name in params:
+        by_file.setdefault(where[name], []).append(name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt") as st:
+            for name in names:
+                p = params[name]
+                full = st.get_tensor(name)
+                if tuple(full.shape) != p.full_shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model "
+                                     f"shape {p.full_shape}")
+                p.data.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))

@@ -1,0 +1,83 @@
+"""`StateManifest`: everything a decode rank needs to compute its reads of one request's state,
+and nothing else (DESIGN.md §3). Serializable with msgspec (msgpack or JSON)."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import msgspec
+
+from pdserve.state.block_table import BlockTable, Topology
+from pdserve.state.layout import RankShapes, StateLayout, dtype_of
+
+
+def model_fingerprint(config, layout: StateLayout) -> str:
+    """Hash of the model config, state dtypes, conv layout and page size.
+
+    Two engines may exchange state only when their fingerprints match; TP/DCP are deliberately
+    not part of it (resharding between topologies is the transfer layer's job)."""
+    blob = json.dumps({"config": config.to_hf_dict(), "layout": msgspec.to_builtins(layout)},
+                      sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class RegionSizes(msgspec.Struct, frozen=True):
+    """Bytes of one unit of each state region on one source rank."""
+
+    latent_page: int      # one page of one MLA layer
+    recurrent_slot: int   # one slot of one KDA layer
+    conv_slot: int        # one slot of one KDA layer
+
+    @staticmethod
+    def of(shapes: RankShapes, layout: StateLayout) -> "RegionSizes":
+        def size(name: str) -> int:
+            return dtype_of(name).itemsize
+        return RegionSizes(
+            latent_page=layout.page_tokens * shapes.latent_width * size(layout.latent_dtype),
+            recurrent_slot=shapes.kda_heads * shapes.head_dim ** 2 * size(layout.recurrent_dtype),
+            conv_slot=shapes.conv_taps * shapes.conv_channels * size(layout.conv_dtype),
+        )
+
+
+class StateManifest(msgspec.Struct, frozen=True):
+    """One request's cached state on a source instance."""
+
+    request_id: str
+    fingerprint: str
+    num_tokens: int                          # N: tokens whose state is cached
+    topology: Topology                       # source TP / DCP / interleave
+    layout: StateLayout
+    n_mla: int
+    n_kda: int
+    latent_pages: list[list[int]]            # per source DCP rank
+    kda_slot: int
+    checkpoints: list[tuple[int, int]] = []  # (token_pos, slot_id)
+    sizes: RegionSizes | None = None         # per source rank
+    checksums: dict[str, str] | None = None  # region name -> hex digest, when verifying
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def decode(data: bytes) -> "StateManifest":
+        return msgspec.msgpack.decode(data, type=StateManifest)
+
+    def block_table(self) -> BlockTable:
+        return BlockTable(latent_pages=[list(p) for p in self.latent_pages],
+                          kda_slot=self.kda_slot, checkpoints=list(self.checkpoints),
+                          num_tokens=self.num_tokens)
+
+
+def build_manifest(request_id: str, config, shapes: RankShapes, layout: StateLayout,
+                   table: BlockTable, topology: Topology,
+                   checksums: dict[str, str] | None = None) -> StateManifest:
+    if table.num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {table.num_tokens}")
+    return StateManifest(
+        request_id=request_id, fingerprint=model_fingerprint(config, layout),
+        num_tokens=table.num_tokens, topology=topology, layout=layout,
+        n_mla=shapes.n_mla, n_kda=shapes.n_kda,
+        latent_pages=[list(p) for p in table.latent_pages], kda_slot=table.kda_slot,
+        checkpoints=list(table.checkpoints), sizes=RegionSizes.of(shapes, layout),
+        checksums=checksums,
+    )

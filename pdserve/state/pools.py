@@ -1,0 +1,182 @@
+"""State pools: paged MLA latent cache and KDA state slots (DESIGN.md §3).
+
+Each pool is ONE contiguous tensor per kind (all layers of a group together) so the transfer layer
+registers a few large regions with NIXL; per-layer views index into it. Page 0 / slot 0 are never
+handed out: kernels use them as padding. Allocation failures raise `PoolExhausted` and leave the
+pool unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.state.layout import RankShapes, StateLayout, conv_from_sd, conv_to_sd, dtype_of
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages or slots; nothing was allocated."""
+
+
+class _FreeList:
+    """Ids 1..n-1; id 0 is reserved padding. Lowest ids first, so allocation is deterministic."""
+
+    def __init__(self, n: int, what: str):
+        if n < 2:
+            raise ValueError(f"a {what} pool needs at least 2 entries (0 is padding), got {n}")
+        self.capacity = n - 1
+        self.what = what
+        self._free = list(range(n - 1, 0, -1))  # pop() from the end yields 1, 2, ...
+        self._used: set[int] = set()
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise PoolExhausted(f"{self.what} pool exhausted: asked for {count}, "
+                                f"{len(self._free)} of {self.capacity} free")
+        ids = [self._free.pop() for _ in range(count)]
+        self._used.update(ids)
+        return ids
+
+    def give(self, ids: list[int]) -> None:
+        bad = [i for i in ids if i not in self._used]
+        if bad:
+            raise ValueError(f"{self.what} ids {bad} are not allocated (double free?)")
+        for i in ids:
+            self._used.discard(i)
+            self._free.append(i)
+        self._free.sort(reverse=True)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+
+class LatentPool:
+    """MLA latent cache: `[n_mla, num_pages, page_tokens, latent_width]`.
+
+    A page id indexes the same page in every MLA layer: a request owns a list of page ids and its
+    token t (local to a DCP rank) lives in page `pages[t // page_tokens]`, row `t % page_tokens`.
+    """
+
+    def __init__(self, shapes: RankShapes, layout: StateLayout, num_pages: int,
+                 device: torch.device | str = "cpu"):
+        self.page_tokens = layout.page_tokens
+        self.width = shapes.latent_width
+        self.data = torch.zeros(shapes.n_mla, num_pages, layout.page_tokens, shapes.latent_width,
+                                dtype=dtype_of(layout.latent_dtype), device=device)
+        self.scale = 1.0  # per-tensor dequant scale, used when the dtype is fp8
+        self._ids = _FreeList(num_pages, "latent page")
+
+    # allocation
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_tokens)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        return self._ids.take(num_pages)
+
+    def free(self, pages: list[int]) -> None:
+        self._ids.give(pages)
+
+    @property
+    def num_free(self) -> int:
+        return self._ids.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self._ids.num_used
+
+    # access (layer = index among MLA layers)
+    def _rows(self, pages: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + count)
+        if count and int(pos[-1]) // self.page_tokens >= len(pages):
+            raise IndexError(f"token {int(pos[-1])} is beyond the {len(pages)} pages owned")
+        page_ids = torch.tensor(pages, dtype=torch.long)[pos // self.page_tokens]
+        return page_ids.to(self.data.device), (pos % self.page_tokens).to(self.data.device)
+
+    def write(self, layer: int, pages: list[int], start: int, rows: torch.Tensor) -> None:
+        """Store `rows` [count, width] as tokens start..start+count-1."""
+        p, r = self._rows(pages, start, rows.shape[0])
+        if self.data.dtype == torch.float8_e4m3fn:
+            rows = rows.float() / self.scale
+        self.data[layer, p, r] = rows.to(self.data.dtype)
+
+    def read(self, layer: int, pages: list[int], count: int, dtype=torch.float32) -> torch.Tensor:
+        """Tokens 0..count-1 as [count, width] in `dtype` (dequantized)."""
+        p, r = self._rows(pages, 0, count)
+        rows = self.data[layer, p, r].to(dtype)
+        return rows * self.scale if self.data.dtype == torch.float8_e4m3fn else rows
+
+
+class SlotPool:
+    """KDA state slots: recurrent `[n_kda, num_slots, H_local, V, K]` and conv state
+    `[n_kda, num_slots, taps, 3*H_local*D]` (SD) or `[n_kda, num_slots, 3*H_local*D, taps]` (DS),
+    channels packed `[q | k | v]` per rank. A slot id indexes the same slot in every KDA layer."""
+
+    def __init__(self, shapes: RankShapes, layout: StateLayout, num_slots: int,
+                 device: torch.device | str = "cpu"):
+        self.layout = layout.conv_layout
+        n, h, d, taps, c = (shapes.n_kda, shapes.kda_heads, shapes.head_dim, shapes.conv_taps,
+                            shapes.conv_channels)
+        self.recurrent = torch.zeros(n, num_slots, h, d, d, dtype=dtype_of(layout.recurrent_dtype),
+                                     device=device)
+        conv_shape = (n, num_slots, taps, c) if self.layout == "SD" else (n, num_slots, c, taps)
+        self.conv = torch.zeros(conv_shape, dtype=dtype_of(layout.conv_dtype), device=device)
+        self._ids = _FreeList(num_slots, "KDA slot")
+
+    def allocate(self, count: int = 1) -> list[int]:
+        ids = self._ids.take(count)
+        self.reset(ids)  # a fresh sequence starts from zero state
+        return ids
+
+    def free(self, slots: list[int]) -> None:
+        self._ids.give(slots)
+
+    @property
+    def num_free(self) -> int:
+        return self._ids.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self._ids.num_used
+
+    def reset(self, slots: list[int]) -> None:
+        idx = torch.tensor(slots, dtype=torch.long, device=self.recurrent.device)
+        self.recurrent[:, idx] = 0
+        self.conv[:, idx] = 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """Snapshot slot `src` into `dst` in every layer (prefix-cache checkpoints)."""
+        self.recurrent[:, dst] = self.recurrent[:, src]
+        self.conv[:, dst] = self.conv[:, src]
+
+    # access (layer = index among KDA layers)
+    def read(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(recurrent [H, V, K] fp32, conv [taps, C] fp32 in SD order) — copies."""
+        return (self.recurrent[layer, slot].float().clone(),
+                conv_to_sd(self.conv[layer, slot], self.layout).float().clone())
+
+    def write(self, layer: int, slot: int, recurrent: torch.Tensor, conv_sd: torch.Tensor) -> None:
+        self.recurrent[layer, slot] = recurrent.to(self.recurrent.dtype)
+        self.conv[layer, slot] = conv_from_sd(conv_sd, self.layout).to(self.conv.dtype)
+
+
+class StatePools:
+    """All cached state of one rank: the latent pool and the slot pool."""
+
+    def __init__(self, shapes: RankShapes, layout: StateLayout, num_pages: int, num_slots: int,
+                 device: torch.device | str = "cpu"):
+        self.shapes = shapes
+        self.layout = layout
+        self.latent = LatentPool(shapes, layout, num_pages, device)
+        self.slots = SlotPool(shapes, layout, num_slots, device)
+
+    def regions(self) -> dict[str, torch.Tensor]:
+        """The contiguous tensors that hold all state (what transfer registers)."""
+        return {"mla_latent": self.latent.data, "kda_recurrent": self.slots.recurrent,
+                "kda_conv": self.slots.conv}
+
+    @property
+    def empty(self) -> bool:
+        return self.latent.num_used == 0 and self.slots.num_used == 0
