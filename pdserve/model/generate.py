@@ -23,13 +23,33 @@ from pdserve.state.pools import PoolExhausted, StatePools
 
 def build_model(config: ModelConfig, tp: TPGroup | None = None, dtype=torch.float32,
                 seed: int = 0, checkpoint: str | None = None) -> HybridModel:
-    """A model with seeded weights, or loaded from an HF-format directory."""
+    """A model with seeded weights, or loaded from an HF-format directory.
+
+    Refuses (before allocating) a model whose weights would not fit in this machine's memory."""
+    with torch.device("meta"):
+        need = sum(p.numel() * p.element_size() for p in HybridModel(config, tp, dtype).parameters())
+    avail = _available_memory()
+    if avail is not None and need > 0.8 * avail:
+        raise MemoryError(f"{config.model_type} with {config.num_hidden_layers} layers needs "
+                          f"{need / 2**30:.1f} GiB of weights per rank at TP={(tp or TPGroup()).size}; "
+                          f"only {avail / 2**30:.1f} GiB of memory is available")
     model = HybridModel(config, tp, dtype)
     if checkpoint is not None:
         load_checkpoint(model, checkpoint)
     else:
         init_seeded(model, seed)
     return model.eval()
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass

@@ -1,0 +1,100 @@
+"""`pdserve` command line. Bad input exits with status 2 and a message naming the problem."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny",
+                   help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3) or a model directory "
+                        "with config.json [+ *.safetensors] (default: tiny)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed when no checkpoint (default 0)")
+
+
+def _load(args):
+    from pdserve.model.config import PRESETS, load_model_config
+    from pdserve.model.generate import build_model
+
+    config = load_model_config(args.model)
+    ckpt = None
+    if args.model not in PRESETS and any(Path(args.model).glob("*.safetensors")):
+        ckpt = args.model
+    return config, build_model(config, seed=args.seed, checkpoint=ckpt)
+
+
+def cmd_generate(args) -> int:
+    from pdserve.model.generate import ReferenceEngine
+    from pdserve.model.sampling import SamplingParams
+    from pdserve.model.tokenizer import ByteTokenizer
+
+    from pdserve.model.config import load_model_config
+
+    t0 = time.perf_counter()
+    if load_model_config(args.model).vocab_size != 256:
+        raise ValueError(f"--model {args.model}: `generate` needs the byte-level vocabulary "
+                         f"(tiny); this model has a {load_model_config(args.model).vocab_size}-token "
+                         "vocabulary and no tokenizer here")
+    config, model = _load(args)
+    tok = ByteTokenizer()
+    prompts = args.prompt or ["Disaggregated prefill and decode "]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model {args.model}: {config.num_hidden_layers} layers "
+          f"({len(config.kda_layer_ids)} KDA, {len(config.mla_layer_ids)} MLA), "
+          f"{n_params / 1e6:.2f} M parameters, built in {time.perf_counter() - t0:.2f} s")
+    engine = ReferenceEngine(model, num_pages=max(64, 4 * len(prompts)), num_slots=len(prompts) + 1)
+    times = [time.perf_counter()]
+    seqs = engine.generate([tok.encode(p) for p in prompts], params,
+                           on_step=lambda _: times.append(time.perf_counter()))
+    for p, s in zip(prompts, seqs):
+        print(f"\n>>> {p!r}\n{tok.decode(s.output)!r}  [{len(s.output)} tokens, {s.finish_reason}]")
+    n_prompt = sum(len(tok.encode(p)) for p in prompts)
+    steps = [b - a for a, b in zip(times[1:], times[2:])]
+    print(f"\nprefill: {n_prompt} tokens in {(times[1] - times[0]) * 1e3:.1f} ms; "
+          f"decode: {len(steps)} steps, "
+          f"{(sum(steps) / max(len(steps), 1)) * 1e3:.2f} ms/step (batch {len(prompts)})")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from pdserve.model.weights import full_state, save_checkpoint
+
+    config, model = _load(args)
+    out = save_checkpoint(args.out, config, full_state(model, args.seed))
+    print(f"wrote {out}/config.json and {out}/model.safetensors")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="monolithic reference generation (prefill + decode)")
+    _model_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=0, help="sampling seed (default 0)")
+    g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("export", help="write seeded weights as an HF-format checkpoint directory")
+    _model_args(e)
+    e.add_argument("--out", required=True, help="output directory")
+    e.set_defaults(func=cmd_export)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, FileNotFoundError, NotImplementedError, MemoryError) as exc:
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
