@@ -99,12 +99,14 @@ def test_manifest_round_trips_and_fingerprint_tracks_layout():
     cfg = preset("tiny")
     shapes, layout = RankShapes.of(cfg), StateLayout()
     table = BlockTable(latent_pages=[[3, 1]], kda_slot=2, checkpoints=[(64, 5)], num_tokens=70)
-    m = build_manifest("r1", cfg, shapes, layout, table, Topology(), checksums={"mla_latent": "ab"})
+    m = build_manifest("r1", cfg, shapes, layout, table, Topology())
     back = StateManifest.decode(m.encode())
     assert back == m and back.block_table() == table
     assert msgspec.json.decode(msgspec.json.encode(m), type=StateManifest) == m
     assert m.sizes == RegionSizes(latent_page=64 * 80 * 2, recurrent_slot=4 * 32 * 32 * 4,
                                   conv_slot=3 * 3 * 128 * 2)
     assert model_fingerprint(cfg, layout) == m.fingerprint
-    assert model_fingerprint(cfg, StateLayout(conv_layout="DS")) != m.fingerprint
+    # layouts the planner converts are not part of the fingerprint; dtypes and the model are
+    assert model_fingerprint(cfg, StateLayout(conv_layout="DS", page_tokens=16)) == m.fingerprint
+    assert model_fingerprint(cfg, StateLayout(latent_dtype="float8_e4m3fn")) != m.fingerprint
     assert model_fingerprint(preset("tiny", rms_norm_eps=1e-5), layout) != m.fingerprint

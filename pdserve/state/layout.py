@@ -60,6 +60,11 @@ class RankShapes(msgspec.Struct, frozen=True):
     head_dim: int           # K = V
     conv_taps: int          # W - 1
     tp: int
+    mla_heads: int          # total MLA heads (for topology checks; the latent is head-free)
+
+    @property
+    def kda_heads_total(self) -> int:
+        return self.kda_heads * self.tp
 
     @property
     def conv_section(self) -> int:
@@ -79,7 +84,15 @@ class RankShapes(msgspec.Struct, frozen=True):
             n_mla=len(config.mla_layer_ids), n_kda=len(config.kda_layer_ids),
             latent_width=config.latent_width, kda_heads=la.num_heads // tp,
             head_dim=la.head_dim, conv_taps=la.short_conv_kernel_size - 1, tp=tp,
+            mla_heads=config.num_attention_heads,
         )
+
+    def at_tp(self, tp: int) -> "RankShapes":
+        """The same model's shapes at another TP size."""
+        total = self.kda_heads_total
+        if total % tp:
+            raise ValueError(f"KDA heads {total} not divisible by TP={tp}")
+        return msgspec.structs.replace(self, kda_heads=total // tp, tp=tp)
 
 
 def conv_to_sd(state: torch.Tensor, layout: ConvLayout) -> torch.Tensor:

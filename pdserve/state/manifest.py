@@ -12,11 +12,13 @@ from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 
 
 def model_fingerprint(config, layout: StateLayout) -> str:
-    """Hash of the model config, state dtypes, conv layout and page size.
+    """Hash of the model config and the state dtypes.
 
-    Two engines may exchange state only when their fingerprints match; TP/DCP are deliberately
-    not part of it (resharding between topologies is the transfer layer's job)."""
-    blob = json.dumps({"config": config.to_hf_dict(), "layout": msgspec.to_builtins(layout)},
+    Two engines may exchange state only when their fingerprints match. TP/DCP, the page size and
+    the conv layout are deliberately not part of it: the manifest carries them and the transfer
+    planner reshards heads, re-pages tokens and converts SD <-> DS on arrival."""
+    dtypes = {k: getattr(layout, k) for k in ("latent_dtype", "recurrent_dtype", "conv_dtype")}
+    blob = json.dumps({"config": config.to_hf_dict(), "dtypes": dtypes, "recurrent": "HVK"},
                       sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -46,14 +48,15 @@ class StateManifest(msgspec.Struct, frozen=True):
     fingerprint: str
     num_tokens: int                          # N: tokens whose state is cached
     topology: Topology                       # source TP / DCP / interleave
-    layout: StateLayout
-    n_mla: int
-    n_kda: int
+    layout: StateLayout                      # source dtypes, page size, conv layout
+    shapes: RankShapes                       # per source rank
     latent_pages: list[list[int]]            # per source DCP rank
     kda_slot: int
     checkpoints: list[tuple[int, int]] = []  # (token_pos, slot_id)
-    sizes: RegionSizes | None = None         # per source rank
-    checksums: dict[str, str] | None = None  # region name -> hex digest, when verifying
+
+    @property
+    def sizes(self) -> RegionSizes:
+        return RegionSizes.of(self.shapes, self.layout)
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -69,15 +72,12 @@ class StateManifest(msgspec.Struct, frozen=True):
 
 
 def build_manifest(request_id: str, config, shapes: RankShapes, layout: StateLayout,
-                   table: BlockTable, topology: Topology,
-                   checksums: dict[str, str] | None = None) -> StateManifest:
+                   table: BlockTable, topology: Topology) -> StateManifest:
     if table.num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {table.num_tokens}")
     return StateManifest(
         request_id=request_id, fingerprint=model_fingerprint(config, layout),
         num_tokens=table.num_tokens, topology=topology, layout=layout,
-        n_mla=shapes.n_mla, n_kda=shapes.n_kda,
-        latent_pages=[list(p) for p in table.latent_pages], kda_slot=table.kda_slot,
-        checkpoints=list(table.checkpoints), sizes=RegionSizes.of(shapes, layout),
-        checksums=checksums,
+        shapes=shapes, latent_pages=[list(p) for p in table.latent_pages],
+        kda_slot=table.kda_slot, checkpoints=list(table.checkpoints),
     )

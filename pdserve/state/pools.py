@@ -115,7 +115,7 @@ class SlotPool:
     channels packed `[q | k | v]` per rank. A slot id indexes the same slot in every KDA layer."""
 
     def __init__(self, shapes: RankShapes, layout: StateLayout, num_slots: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", conv_staging: bool = False):
         self.layout = layout.conv_layout
         n, h, d, taps, c = (shapes.n_kda, shapes.kda_heads, shapes.head_dim, shapes.conv_taps,
                             shapes.conv_channels)
@@ -123,6 +123,10 @@ class SlotPool:
                                      device=device)
         conv_shape = (n, num_slots, taps, c) if self.layout == "SD" else (n, num_slots, c, taps)
         self.conv = torch.zeros(conv_shape, dtype=dtype_of(layout.conv_dtype), device=device)
+        # Conv state in the other layout, for transfers from an engine that uses it: reads land
+        # here (in a slot taken from the same free list) and `unstage` converts into `conv`.
+        self.conv_staging = (torch.zeros(conv_shape[:2] + conv_shape[:1:-1], dtype=self.conv.dtype,
+                                         device=device) if conv_staging else None)
         self._ids = _FreeList(num_slots, "KDA slot")
 
     def allocate(self, count: int = 1) -> list[int]:
@@ -151,6 +155,12 @@ class SlotPool:
         self.recurrent[:, dst] = self.recurrent[:, src]
         self.conv[:, dst] = self.conv[:, src]
 
+    def unstage(self, staging_slot: int, slot: int) -> None:
+        """Convert the other-layout conv state in `staging_slot` into `slot` (every layer)."""
+        if self.conv_staging is None:
+            raise RuntimeError("this SlotPool was built without conv_staging")
+        self.conv[:, slot] = self.conv_staging[:, staging_slot].transpose(-1, -2)
+
     # access (layer = index among KDA layers)
     def read(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(recurrent [H, V, K] fp32, conv [taps, C] fp32 in SD order) — copies."""
@@ -166,16 +176,19 @@ class StatePools:
     """All cached state of one rank: the latent pool and the slot pool."""
 
     def __init__(self, shapes: RankShapes, layout: StateLayout, num_pages: int, num_slots: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", conv_staging: bool = False):
         self.shapes = shapes
         self.layout = layout
         self.latent = LatentPool(shapes, layout, num_pages, device)
-        self.slots = SlotPool(shapes, layout, num_slots, device)
+        self.slots = SlotPool(shapes, layout, num_slots, device, conv_staging)
 
     def regions(self) -> dict[str, torch.Tensor]:
-        """The contiguous tensors that hold all state (what transfer registers)."""
-        return {"mla_latent": self.latent.data, "kda_recurrent": self.slots.recurrent,
-                "kda_conv": self.slots.conv}
+        """The contiguous tensors that hold all state, layer-major (what transfer registers)."""
+        out = {"mla_latent": self.latent.data, "kda_recurrent": self.slots.recurrent,
+               "kda_conv": self.slots.conv}
+        if self.slots.conv_staging is not None:
+            out["kda_conv_staging"] = self.slots.conv_staging
+        return out
 
     @property
     def empty(self) -> bool:

@@ -1,0 +1,34 @@
+"""What a destination rank does once its reads have landed, whatever moved the bytes:
+zero latent rows past the request's tokens (reads move whole units), convert staged conv state
+into the pool's layout, and refuse a zeroed KDA state (the classic silent failure)."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.state.manifest import StateManifest
+from pdserve.state.pools import StatePools
+
+from pdserve.transfer.errors import IntegrityError
+from pdserve.transfer.planner import DestAllocation, TransferPlan
+
+
+def finish_arrival(pools: StatePools, manifest: StateManifest, alloc: DestAllocation,
+                   plan: TransferPlan, rank: int) -> None:
+    topo = alloc.topology
+    local = topo.local_count(rank if topo.dcp > 1 else 0, manifest.num_tokens)
+    row_bytes = pools.latent.width * pools.latent.data.element_size()
+    unit_rows = plan.units["mla_latent"] // row_bytes
+    end = -(-local // unit_rows) * unit_rows
+    pages, pt = alloc.latent_pages[rank], pools.latent.page_tokens
+    for pos in range(local, end):
+        pools.latent.data[:, pages[pos // pt], pos % pt] = 0
+    if manifest.layout.conv_layout != alloc.layout.conv_layout:
+        for staging, slot in zip(alloc.staging_slots[rank], alloc.slots[rank]):
+            pools.slots.unstage(staging, slot)
+    if manifest.num_tokens > 0 and manifest.shapes.n_kda:
+        running = pools.slots.recurrent[:, alloc.slots[rank][0]]
+        zeroed = [i for i in range(running.shape[0]) if not torch.any(running[i])]
+        if zeroed:
+            raise IntegrityError(f"request {manifest.request_id}: destination rank {rank} holds a "
+                                 f"zeroed KDA recurrent state in KDA layers {zeroed} after "
+                                 f"{manifest.num_tokens} tokens")

@@ -1,0 +1,27 @@
+"""Typed transfer errors. Every failure of a transfer surfaces as one of these, with a message
+that names the request, the peer and what was expected."""
+from __future__ import annotations
+
+
+class TransferError(RuntimeError):
+    """Base class: the transfer did not complete; the destination allocation has been freed."""
+
+
+class TopologyError(TransferError, ValueError):
+    """The (source, destination) topology pair cannot be served."""
+
+
+class TransferTimeout(TransferError):
+    """The transfer did not finish within its deadline."""
+
+
+class PeerLost(TransferError):
+    """The peer died, disconnected, or is a stale generation."""
+
+
+class IntegrityError(TransferError):
+    """The bytes that arrived are not the bytes that were sent, or are a zeroed KDA state."""
+
+
+class LeaseExpired(TransferError):
+    """The source state's lease expired before it was read."""

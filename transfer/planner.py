@@ -1,0 +1,220 @@
+"""Transfer planner: a pure function from (manifest, destination allocation) to byte-range reads.
+
+The source instance (TP = p, DCP = 1) and destination instance (TP = d, DCP = c in {1, d}, token t
+on DCP rank (t // interleave) % c) may differ in TP, page size and conv layout:
+
+- MLA latent is replicated per source rank: each destination rank reads only its DCP token shard,
+  from one source replica (rank r reads from source r % p, spreading load over replicas).
+- KDA recurrent state [H_local, V, K] is sharded by head: destination heads [r*Hd, (r+1)*Hd)
+  intersected with each source rank's heads give byte ranges, in both directions (p < d, p > d).
+- KDA conv state is packed [q | k | v] per rank, so each section is resharded separately. When
+  the layouts differ (SD vs DS), reads land in a staging slot in the source layout and the
+  destination converts on arrival.
+
+All offsets are bytes within one layer's region of a rank (`Read.kind`, `Read.layer`). Every read
+starts on a multiple of its kind's `unit` (the largest chunk that never straddles a page, a DCP
+run or a head-range boundary on either side), so the backend can index prepared descriptor lists
+of unit-sized entries; contiguous runs are coalesced.
+"""
+from __future__ import annotations
+
+from math import gcd
+
+import msgspec
+
+from pdserve.state.block_table import Topology
+from pdserve.state.layout import RankShapes, StateLayout, dtype_of
+from pdserve.state.manifest import StateManifest
+
+from pdserve.transfer.errors import TopologyError
+
+KINDS = ("mla_latent", "kda_recurrent", "kda_conv")
+
+
+class Read(msgspec.Struct, frozen=True, array_like=True):
+    src_rank: int
+    dst_rank: int
+    kind: str            # one of KINDS
+    layer: int           # index within the kind's layer group
+    src_offset: int      # bytes within the source rank's layer region
+    dst_offset: int      # bytes within the destination rank's layer region (or conv staging)
+    length: int
+    staged: bool = False  # conv read into the staging slot (layouts differ)
+
+
+class DestAllocation(msgspec.Struct):
+    """What the destination allocated, per destination rank."""
+
+    topology: Topology
+    layout: StateLayout
+    latent_pages: list[list[int]]        # per rank: pages for that rank's DCP token shard
+    slots: list[list[int]]               # per rank: [running slot, *checkpoint slots]
+    staging_slots: list[list[int]] = []  # per rank, aligned with slots, when conv layouts differ
+
+
+class TransferPlan(msgspec.Struct):
+    reads: list[Read]
+    units: dict[str, int]                # bytes per prepared descriptor, per kind
+    bytes_by_kind: dict[str, int]
+    src_tp: int
+    dst_tp: int
+
+    def for_rank(self, dst_rank: int) -> list[Read]:
+        return [r for r in self.reads if r.dst_rank == dst_rank]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_kind.values())
+
+
+def check_topology(src: RankShapes, src_topo: Topology, dst_topo: Topology) -> None:
+    """Raise TopologyError (naming p, d, c and the head counts) unless the pair is supported."""
+    p, d, c = src_topo.tp, dst_topo.tp, dst_topo.dcp
+    heads = f"KDA heads={src.kda_heads_total}, MLA heads={src.mla_heads}"
+    where = f"source TP p={p} -> destination TP d={d}, DCP c={c} ({heads})"
+    if src_topo.dcp != 1:
+        raise TopologyError(f"{where}: source DCP={src_topo.dcp} is not supported (prefill "
+                            "instances hold the whole latent per rank)")
+    if src.tp != p:
+        raise TopologyError(f"{where}: manifest shapes are for TP={src.tp}, topology says p={p}")
+    for name, n in (("KDA", src.kda_heads_total), ("MLA", src.mla_heads)):
+        for side, t in (("p", p), ("d", d)):
+            if n % t:
+                raise TopologyError(f"{where}: {name} heads {n} are not divisible by {side}={t}")
+    if c not in (1, d):
+        raise TopologyError(f"{where}: DCP c must be 1 or d={d}")
+
+
+def plan_transfer(manifest: StateManifest, dst: DestAllocation,
+                  ranks: list[int] | None = None) -> TransferPlan:
+    """The reads that move `manifest`'s request into `dst` (all destination ranks, or `ranks`)."""
+    src_topo, dst_topo, src = manifest.topology, dst.topology, manifest.shapes
+    check_topology(src, src_topo, dst_topo)
+    for field in ("latent_dtype", "recurrent_dtype", "conv_dtype"):
+        if getattr(manifest.layout, field) != getattr(dst.layout, field):
+            raise TopologyError(f"{field}: source {getattr(manifest.layout, field)} != "
+                                f"destination {getattr(dst.layout, field)} (no conversion in flight)")
+    p, d = src_topo.tp, dst_topo.tp
+    dshape = src.at_tp(d)
+    ranks = list(range(d)) if ranks is None else ranks
+    n_slots = 1 + len(manifest.checkpoints)
+    for r in ranks:
+        if len(dst.slots[r]) != n_slots:
+            raise ValueError(f"destination rank {r}: {len(dst.slots[r])} slots allocated, the "
+                             f"manifest moves {n_slots} (running + checkpoints)")
+    staged = manifest.layout.conv_layout != dst.layout.conv_layout
+    if staged and any(r >= len(dst.staging_slots) or len(dst.staging_slots[r]) != n_slots
+                      for r in ranks):
+        raise ValueError("conv layouts differ (SD vs DS): every destination rank needs one "
+                         "staging slot per moved slot")
+
+    units = _units(manifest, dst, dshape)
+    reads: list[Read] = []
+    for r in ranks:
+        reads += _latent_reads(manifest, dst, r, units["mla_latent"])
+        src_slots = [manifest.kda_slot] + [s for _, s in manifest.checkpoints]
+        for i, (ss, ds) in enumerate(zip(src_slots, dst.slots[r])):
+            reads += _recurrent_reads(manifest, src, dshape, r, ss, ds)
+            conv_dst = dst.staging_slots[r][i] if staged else ds
+            reads += _conv_reads(manifest, src, dshape, r, ss, conv_dst, staged)
+    reads = coalesce(reads)
+    by_kind = {k: sum(x.length for x in reads if x.kind == k) for k in KINDS}
+    return TransferPlan(reads, units, by_kind, p, d)
+
+
+def _units(m: StateManifest, dst: DestAllocation, dshape: RankShapes) -> dict[str, int]:
+    lt = m.layout
+    g_heads = gcd(m.shapes.kda_heads, dshape.kda_heads)
+    rows = gcd(lt.page_tokens, dst.layout.page_tokens)
+    if dst.topology.dcp > 1:
+        rows = gcd(rows, dst.topology.interleave)
+    conv_isz, D = dtype_of(lt.conv_dtype).itemsize, m.shapes.head_dim
+    conv_unit = g_heads * D * conv_isz * (m.shapes.conv_taps if lt.conv_layout == "DS" else 1)
+    return {"mla_latent": rows * m.shapes.latent_width * dtype_of(lt.latent_dtype).itemsize,
+            "kda_recurrent": g_heads * D * D * dtype_of(lt.recurrent_dtype).itemsize,
+            "kda_conv": conv_unit}
+
+
+def _local_position(topo: Topology, t: int) -> int:
+    """Position of global token t within its DCP rank's pages."""
+    block = topo.interleave * topo.dcp
+    return (t // block) * topo.interleave + t % topo.interleave
+
+
+def _latent_reads(m: StateManifest, dst: DestAllocation, r: int, unit: int) -> list[Read]:
+    src_rank = r % m.topology.tp
+    row = m.shapes.latent_width * dtype_of(m.layout.latent_dtype).itemsize
+    ps, pd, g = m.layout.page_tokens, dst.layout.page_tokens, unit // row
+    topo, src_pages, dst_pages = dst.topology, m.latent_pages[0], dst.latent_pages[r]
+    need = -(-topo.local_count(r if topo.dcp > 1 else 0, m.num_tokens) // pd)
+    if len(dst_pages) < need:
+        raise ValueError(f"destination rank {r}: {len(dst_pages)} latent pages allocated, "
+                         f"{need} needed for its tokens")
+    out = []
+    for t0 in range(0, m.num_tokens, g):
+        if topo.dcp > 1 and topo.dcp_rank_of(t0) != r:
+            continue
+        lp = _local_position(topo, t0) if topo.dcp > 1 else t0
+        # whole units even at the tail: the rows past N are zeroed on arrival (backend)
+        src_off = (src_pages[t0 // ps] * ps + t0 % ps) * row
+        dst_off = (dst_pages[lp // pd] * pd + lp % pd) * row
+        out += [Read(src_rank, r, "mla_latent", layer, src_off, dst_off, g * row)
+                for layer in range(m.shapes.n_mla)]
+    return out
+
+
+def _head_overlaps(src: RankShapes, dst: RankShapes, r: int):
+    """(source rank, first head, end head) in global head numbers for destination rank r."""
+    lo, hi = r * dst.kda_heads, (r + 1) * dst.kda_heads
+    for s in range(src.tp):
+        a, b = max(lo, s * src.kda_heads), min(hi, (s + 1) * src.kda_heads)
+        if a < b:
+            yield s, a, b
+
+
+def _recurrent_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int,
+                     dst_slot: int) -> list[Read]:
+    head = src.head_dim ** 2 * dtype_of(m.layout.recurrent_dtype).itemsize
+    out = []
+    for s, a, b in _head_overlaps(src, dst, r):
+        so = src_slot * src.kda_heads * head + (a - s * src.kda_heads) * head
+        do = dst_slot * dst.kda_heads * head + (a - r * dst.kda_heads) * head
+        out += [Read(s, r, "kda_recurrent", layer, so, do, (b - a) * head)
+                for layer in range(src.n_kda)]
+    return out
+
+
+def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_slot: int,
+                staged: bool) -> list[Read]:
+    """Conv reads in the SOURCE layout (into the staging slot when the destination differs)."""
+    isz, D, taps = dtype_of(m.layout.conv_dtype).itemsize, src.head_dim, src.conv_taps
+    cs, cd = src.conv_channels, dst.conv_channels
+    out = []
+    for s, a, b in _head_overlaps(src, dst, r):
+        for sec in range(3):
+            ch_s = sec * src.conv_section + (a - s * src.kda_heads) * D
+            ch_d = sec * dst.conv_section + (a - r * dst.kda_heads) * D
+            n = (b - a) * D
+            if m.layout.conv_layout == "DS":  # (channels, taps): one run per section
+                spans = [(ch_s * taps, ch_d * taps, n * taps)]
+            else:                             # (taps, channels): one run per tap
+                spans = [(t * cs + ch_s, t * cd + ch_d, n) for t in range(taps)]
+            for so, do, length in spans:
+                out += [Read(s, r, "kda_conv", layer, src_slot * cs * taps * isz + so * isz,
+                             dst_slot * cd * taps * isz + do * isz, length * isz, staged)
+                        for layer in range(src.n_kda)]
+    return out
+
+
+def coalesce(reads: list[Read]) -> list[Read]:
+    """Merge reads that continue each other on both sides."""
+    key = lambda x: (x.src_rank, x.dst_rank, x.kind, x.layer, x.staged, x.src_offset)
+    out: list[Read] = []
+    for x in sorted(reads, key=key):
+        last = out[-1] if out else None
+        if (last and key(last)[:5] == key(x)[:5] and last.src_offset + last.length == x.src_offset
+                and last.dst_offset + last.length == x.dst_offset):
+            out[-1] = msgspec.structs.replace(last, length=last.length + x.length)
+        else:
+            out.append(x)
+    return out
