@@ -11,7 +11,9 @@ import torch
 
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
+from pdserve.state.manifest import StateManifest
 from pdserve.state.pools import StatePools
+from pdserve.transfer.planner import DestAllocation
 
 
 @dataclass
@@ -60,3 +62,42 @@ def as_dtype(state: GlobalState, layout: StateLayout) -> GlobalState:
     r = lambda t, name: t.to(dtype_of(name)).float()
     return GlobalState(r(state.latent, layout.latent_dtype), r(state.recurrent, layout.recurrent_dtype),
                        r(state.conv, layout.conv_dtype))
+
+
+def source_side(shapes1, src_tp, layout, state, n, checkpoint):
+    """p source ranks holding the request; returns (pools, manifest)."""
+    topo, pools = Topology(tp=src_tp), []
+    pages_needed = -(-n // layout.page_tokens)
+    for s in range(src_tp):
+        p = make_pools(shapes1.at_tp(src_tp), layout, fill=7.0)
+        p.latent.allocate(2)  # so source ids are not 1, 2, ...
+        pages = p.latent.allocate(pages_needed)[::-1]
+        slots = p.slots.allocate(2 if checkpoint else 1)
+        table = BlockTable([pages], slots[0], [(layout.page_tokens, slots[1])] if checkpoint else [], n)
+        write_rank(p, state, topo, s, table, slots)
+        pools.append(p)
+    m = StateManifest(request_id="req-7", fingerprint="test", num_tokens=n, topology=topo,
+                      layout=layout, shapes=shapes1.at_tp(src_tp), latent_pages=table.latent_pages,
+                      kda_slot=table.kda_slot, checkpoints=table.checkpoints)
+    return pools, m
+
+
+def dest_side(shapes1, topo, layout, n, n_slots, staging):
+    pools_actual, pools_expected, pages, slots, stage = [], [], [], [], []
+    for r in range(topo.tp):
+        pair = [make_pools(shapes1.at_tp(topo.tp), layout, staging=staging) for _ in range(2)]
+        local = topo.local_count(r if topo.dcp > 1 else 0, n)
+        ids = []
+        for p in pair:
+            p.latent.allocate(1)
+            p.slots.allocate(1)
+            ids.append((p.latent.allocate(-(-local // layout.page_tokens)),
+                        p.slots.allocate(n_slots), p.slots.allocate(n_slots) if staging else []))
+        assert ids[0] == ids[1]
+        pages.append(ids[0][0])
+        slots.append(ids[0][1])
+        stage.append(ids[0][2])
+        pools_actual.append(pair[0])
+        pools_expected.append(pair[1])
+    alloc = DestAllocation(topo, layout, pages, slots, stage)
+    return pools_actual, pools_expected, alloc

@@ -25,3 +25,7 @@ class IntegrityError(TransferError):
 
 class LeaseExpired(TransferError):
     """The source state's lease expired before it was read."""
+
+
+class TransferCancelled(TransferError):
+    """The transfer was cancelled by the caller."""

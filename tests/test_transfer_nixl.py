@@ -1,0 +1,197 @@
+"""Real NIXL (UCX over DRAM) agents, one per rank, in one process: READs land exactly, verify mode
+catches a corrupted byte, leases and notifications free the source, restarted peers are evicted."""
+import threading
+
+import pytest
+import torch
+
+from pdserve.state.block_table import BlockTable, Topology
+from pdserve.state.layout import StateLayout
+from pdserve.transfer.dest import DestRank, TransferConfig
+from pdserve.transfer.errors import IntegrityError, LeaseExpired, PeerLost, TransferCancelled
+from pdserve.transfer.nixl_agent import RankAgent
+from pdserve.transfer.regions import RegionTable
+from pdserve.transfer.source import SourceRank
+
+from state_fixtures import as_dtype, dest_side, make_state, source_side, write_rank
+from test_transfer_plan import KIMI, TINY
+
+pytest.importorskip("xxhash")
+
+
+class Cluster:
+    """p source ranks and d destination ranks, each with its own NIXL agent."""
+
+    def __init__(self, shapes1, p, topo, src_layout, dst_layout=None, n=100, checkpoint=False,
+                 config=TransferConfig(), gen=0, tag=""):
+        dst_layout = dst_layout or src_layout
+        self.state = as_dtype(make_state(shapes1, n, seed=3), src_layout)
+        self.src_pools, self.manifest = source_side(shapes1, p, src_layout, self.state, n, checkpoint)
+        staging = src_layout.conv_layout != dst_layout.conv_layout
+        self.actual, self.expected, self.alloc = dest_side(shapes1, topo, dst_layout, n,
+                                                           1 + checkpoint, staging)
+        self.released = []
+        self.src = [SourceRank(RankAgent(f"prefill{tag}", s, gen, RegionTable.of_pools(pl)),
+                               release=self.released.append) for s, pl in enumerate(self.src_pools)]
+        self.dst = [DestRank(RankAgent(f"decode{tag}", r, 0, RegionTable.of_pools(pl)), pl, config)
+                    for r, pl in enumerate(self.actual)]
+        for d in self.dst:
+            for s in self.src:
+                d.agent.connect(s.agent.info())
+                s.agent.connect(d.agent.info())
+        for s in self.src:
+            s.hold(self.manifest.request_id, lease_s=30)
+        self.topo, self.n = topo, n
+
+    def digests(self, src_rank, runs):
+        return self.src[src_rank].digests(self.manifest.request_id, runs)
+
+    def receive_all(self):
+        return [d.receive(self.manifest, self.alloc, self.src[0].agent.instance, self.digests)
+                for d in self.dst]
+
+    def check_exact(self):
+        for r, d in enumerate(self.dst):
+            write_rank(self.expected[r], self.state, self.topo, r,
+                       BlockTable([self.alloc.latent_pages[r]], self.alloc.slots[r][0], [], self.n),
+                       self.alloc.slots[r])
+            for kind, t in self.actual[r].regions().items():
+                if kind != "kda_conv_staging":
+                    assert torch.equal(t, self.expected[r].regions()[kind]), (kind, r)
+
+    def close(self):
+        for x in self.src + self.dst:
+            x.agent.close()
+
+
+CASES = [(TINY, 1, Topology(1)), (TINY, 2, Topology(1)), (TINY, 1, Topology(2)),
+         (TINY, 2, Topology(4, 4, 16)), (KIMI, 4, Topology(2, 2, 64)), (KIMI, 1, Topology(8))]
+
+
+@pytest.mark.parametrize("shapes,p,topo", CASES, ids=[f"p{c[1]}-d{c[2].tp}-c{c[2].dcp}" for c in CASES])
+def test_nixl_reads_move_exact_bytes_and_free_the_source(shapes, p, topo):
+    c = Cluster(shapes, p, topo, StateLayout(latent_dtype="float32"),
+                config=TransferConfig(verify=True), tag=f"-{p}-{topo.tp}-{topo.dcp}")
+    try:
+        stats = c.receive_all()
+        assert all(s["bytes"] > 0 and s["descriptors"] >= s["runs"] for s in stats)
+        c.check_exact()
+        events = [e for s in c.src for e in _poll_until(s, lambda ev: ev)]
+        assert events == [("freed", "req-7")] * p  # every source rank freed after d "done"s
+        assert c.released == ["req-7"] * p
+        snap = c.dst[0].metrics.snapshot()
+        assert snap.transfers == 1 and snap.bytes_by_kind["kda_recurrent"] > 0
+    finally:
+        c.close()
+
+
+def test_conv_layout_conversion_and_checkpoints_over_nixl():
+    c = Cluster(TINY, 2, Topology(1), StateLayout(conv_layout="SD"),
+                dst_layout=StateLayout(conv_layout="DS"), checkpoint=True, tag="-conv")
+    try:
+        c.receive_all()
+        c.check_exact()
+        # staging slots were returned; the pre-test slot, running and checkpoint slots remain
+        assert c.actual[0].slots.num_used == 3
+    finally:
+        c.close()
+
+
+def test_one_corrupted_byte_is_an_integrity_error_and_frees_the_destination():
+    c = Cluster(TINY, 1, Topology(1), StateLayout(), config=TransferConfig(verify=True), tag="-corrupt")
+    try:
+        pools = c.actual[0]
+        used = (pools.latent.num_used, pools.slots.num_used)
+
+        def corrupt_then_digest(src_rank, runs):
+            reg = c.dst[0].agent.regions
+            kind, layer, off, length = runs[len(runs) // 2]
+            read = [r for r in c.alloc_reads() if (r.kind, r.layer, r.src_offset) == (kind, layer, off)][0]
+            span = reg.span(reg.region_of(read, "dst"), layer, read.dst_offset + length // 2, 1)
+            span ^= 0x10  # flip one bit of one byte where it landed
+            return c.digests(src_rank, runs)
+
+        from pdserve.transfer.planner import plan_transfer
+        c.alloc_reads = lambda: plan_transfer(c.manifest, c.alloc).reads
+        with pytest.raises(IntegrityError, match="differ from the source"):
+            c.dst[0].receive(c.manifest, c.alloc, "prefill-corrupt", corrupt_then_digest)
+        assert (pools.latent.num_used, pools.slots.num_used) == (used[0] - len(c.alloc.latent_pages[0]),
+                                                                 used[1] - 1)
+        assert c.dst[0].metrics.snapshot().failures == {"IntegrityError": 1}
+        assert c.released == []  # the source keeps its state for a retry
+    finally:
+        c.close()
+
+
+def test_lease_expiry_frees_the_source_and_digests_refuse_afterwards():
+    now = [0.0]
+    c = Cluster(TINY, 1, Topology(1), StateLayout(), tag="-lease")
+    try:
+        src = c.src[0]
+        src.clock = lambda: now[0]
+        src.hold("req-7", lease_s=5)
+        now[0] = 3.0
+        src.renew("req-7", lease_s=5)       # now expires at 8
+        now[0] = 7.9
+        assert src.poll() == []
+        now[0] = 8.1
+        assert src.poll() == [("expired", "req-7")]
+        assert c.released == ["req-7"] and src.metrics.snapshot().lease_expiries == 1
+        with pytest.raises(LeaseExpired, match="no live lease"):
+            src.digests("req-7", [])
+    finally:
+        c.close()
+
+
+def test_restarted_source_evicts_the_stale_agent_and_new_transfers_work():
+    c = Cluster(TINY, 1, Topology(1), StateLayout(latent_dtype="float32"), tag="-restart")
+    try:
+        old_info = c.src[0].agent.info()
+        c.src[0].agent.close()
+        # the restarted process registers fresh pools under the same instance name, generation 1
+        reborn = Cluster(TINY, 1, Topology(1), StateLayout(latent_dtype="float32"), gen=1, tag="-restart")
+        try:
+            d = c.dst[0]
+            d.agent.connect(reborn.src[0].agent.info())        # evicts generation 0
+            assert d.agent.peer("prefill-restart", 0).generation == 1
+            with pytest.raises(PeerLost, match="is stale"):
+                d.agent.connect(old_info)
+            reborn.src[0].agent.connect(d.agent.info())
+            reborn.src[0].hold("req-7", 30)
+            reborn.dst = [d]
+            reborn.actual, reborn.alloc = c.actual, c.alloc
+            reborn.expected = c.expected
+            reborn.receive_all()
+            reborn.check_exact()
+        finally:
+            reborn.close()
+    finally:
+        for x in c.dst:
+            x.agent.close()
+
+
+def test_cancel_before_completion_frees_both_sides():
+    c = Cluster(KIMI, 1, Topology(1), StateLayout(), n=3000, tag="-cancel")
+    try:
+        ev = threading.Event()
+        ev.set()
+        pools = c.actual[0]
+        with pytest.raises(TransferCancelled):
+            c.dst[0].receive(c.manifest, c.alloc, "prefill-cancel", cancel=ev)
+        assert pools.slots.num_used == 1 and pools.latent.num_used == 1  # only the pre-test junk
+        c.dst[0].agent.notify("prefill-cancel", 0, b"cancel|req-7")
+        assert _poll_until(c.src[0], lambda ev: ev) == [("cancelled", "req-7")]
+        assert c.released == ["req-7"]
+    finally:
+        c.close()
+
+
+def _poll_until(src, cond, timeout=5.0):
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ev = src.poll()
+        if cond(ev):
+            return ev
+        time.sleep(0.01)
+    return []

@@ -1,0 +1,244 @@
+"""One NIXL agent per rank: registers the rank's state regions, tracks peers by generation, keeps
+prepared descriptor lists per (peer, kind, unit), and runs READs with a deadline.
+
+Agent metadata travels through the caller (Ray calls in a cluster, pipes or plain calls in
+tests): `RankAgent.info()` on one side, `RankAgent.connect(info)` on the other.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pdserve.transfer.errors import PeerLost, TransferCancelled, TransferTimeout
+from pdserve.transfer.planner import Read
+from pdserve.transfer.regions import RegionTable
+
+POLL_S = 0.0005  # between completion checks; keeps a CPU core mostly free while waiting
+
+
+def load_nixl():
+    """NIXL's Python API module. The `nixl` meta package picks a CUDA build from the toolkit it
+    detects, which on a GPU-less machine with a CUDA toolkit names a wheel we did not install;
+    so import an installed build directly and fall back to the meta package."""
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("NIXL is not installed; install pdserve[transfer] (nixl-cu12)")
+
+
+class AgentInfo(msgspec.Struct, frozen=True):
+    """What a peer needs to read from (or notify) this rank."""
+
+    instance: str
+    rank: int
+    generation: int
+    name: str
+    metadata: bytes                                 # NIXL agent metadata
+    regions: dict[str, list[tuple[int, int]]]       # kind -> per layer (address, bytes)
+    mem: str = "DRAM"
+    device: int = 0
+
+
+@dataclass
+class _Peer:
+    info: AgentInfo
+    dlists: dict[tuple[str, int], tuple[object, list[int]]] = field(default_factory=dict)
+
+
+class RankAgent:
+    def __init__(self, instance: str, rank: int, generation: int, regions: RegionTable,
+                 device: str = "cpu"):
+        api = load_nixl()
+        self.instance, self.rank, self.generation = instance, rank, generation
+        self.name = f"{instance}.r{rank}.g{generation}"
+        self.regions = regions
+        self.mem = "VRAM" if str(device).startswith("cuda") else "DRAM"
+        self.device = 0 if self.mem == "DRAM" else int(str(device).partition(":")[2] or 0)
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self._registered = self.agent.register_memory(
+            [(a, n, self.device, "") for a, n in _merge(regions.addresses())], self.mem)
+        self.peers: dict[tuple[str, int], _Peer] = {}
+        self._local_dlists: dict[tuple[str, int], tuple[object, list[int]]] = {}
+
+    # -- peers ------------------------------------------------------------------------------
+    def info(self) -> AgentInfo:
+        return AgentInfo(self.instance, self.rank, self.generation, self.name,
+                         self.agent.get_agent_metadata(), self.regions.addresses(), self.mem,
+                         self.device)
+
+    def connect(self, info: AgentInfo) -> str:
+        """Know `info`'s agent; a newer generation of a known peer evicts the old agent, an
+        older one is refused (it is a stale handle from before a restart)."""
+        key = (info.instance, info.rank)
+        known = self.peers.get(key)
+        if known is not None:
+            if info.generation < known.info.generation:
+                raise PeerLost(f"{info.name} is stale: {info.instance} rank {info.rank} restarted "
+                               f"as generation {known.info.generation}")
+            if info.generation == known.info.generation:
+                return known.info.name
+            self.forget(info.instance, info.rank)
+        self.agent.add_remote_agent(info.metadata)
+        self.peers[key] = _Peer(info)
+        return info.name
+
+    def forget(self, instance: str, rank: int) -> None:
+        """Drop a peer: its prepared lists and its NIXL agent entry."""
+        peer = self.peers.pop((instance, rank), None)
+        if peer is None:
+            return
+        for handle, _ in peer.dlists.values():
+            self.agent.release_dlist_handle(handle)
+        try:
+            self.agent.remove_remote_agent(peer.info.name)
+        except Exception:  # already gone on the NIXL side; nothing else to free
+            pass
+
+    def peer(self, instance: str, rank: int) -> AgentInfo:
+        try:
+            return self.peers[(instance, rank)].info
+        except KeyError:
+            raise PeerLost(f"{self.name}: no connection to {instance} rank {rank}") from None
+
+    def notify(self, instance: str, rank: int, message: bytes) -> None:
+        self.agent.send_notif(self.peer(instance, rank).name, message)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
+
+    # -- prepared descriptor lists ----------------------------------------------------------
+    def _dlist(self, owner: str, regions: dict[str, list[tuple[int, int]]], kind: str, unit: int,
+               mem: str, device: int) -> tuple[object, list[int]]:
+        """Unit-sized descriptors over every layer of `kind`; returns (handle, layer bases)."""
+        descs, bases = [], []
+        for addr, nbytes in regions[kind]:
+            if nbytes % unit:
+                raise ValueError(f"{kind}: region of {nbytes} bytes is not a multiple of the "
+                                 f"{unit}-byte transfer unit")
+            bases.append(len(descs))
+            descs += [(addr + i, unit, device) for i in range(0, nbytes, unit)]
+        xfer = self.agent.get_xfer_descs(descs, mem)
+        return self.agent.prep_xfer_dlist(owner, xfer, mem), bases
+
+    def _local(self, kind: str, unit: int):
+        key = (kind, unit)
+        if key not in self._local_dlists:
+            self._local_dlists[key] = self._dlist("NIXL_INIT_AGENT", self.regions.addresses(),
+                                                  kind, unit, self.mem, self.device)
+        return self._local_dlists[key]
+
+    def _remote(self, peer: _Peer, kind: str, unit: int):
+        key = (kind, unit)
+        if key not in peer.dlists:
+            peer.dlists[key] = self._dlist(peer.info.name, peer.info.regions, kind, unit,
+                                           peer.info.mem, peer.info.device)
+        return peer.dlists[key]
+
+    # -- reads ------------------------------------------------------------------------------
+    def post_reads(self, src_instance: str, reads: list[Read], units: dict[str, int]
+                   ) -> list[tuple[str, object, int]]:
+        """Post one READ per (source rank, kind, staged) group; returns (kind, handle, bytes)."""
+        groups: dict[tuple[int, str, bool], list[Read]] = {}
+        for r in reads:
+            groups.setdefault((r.src_rank, r.kind, r.staged), []).append(r)
+        posted = []
+        try:
+            for (src_rank, kind, staged), rs in groups.items():
+                peer = self.peers.get((src_instance, src_rank))
+                if peer is None:
+                    raise PeerLost(f"{self.name}: no connection to {src_instance} rank {src_rank}")
+                unit = units[kind]
+                lh, lbase = self._local("kda_conv_staging" if staged else kind, unit)
+                rh, rbase = self._remote(peer, kind, unit)
+                lidx, ridx = [], []
+                for r in rs:
+                    n = -(-r.length // unit)
+                    l0, r0 = lbase[r.layer] + r.dst_offset // unit, rbase[r.layer] + r.src_offset // unit
+                    lidx += range(l0, l0 + n)
+                    ridx += range(r0, r0 + n)
+                handle = self.agent.make_prepped_xfer("READ", lh, lidx, rh, ridx, b"")
+                posted.append((kind, handle, len(lidx) * unit))
+                state = self.agent.transfer(handle)
+                if state == "ERR":
+                    raise PeerLost(f"{self.name}: posting a read from {peer.info.name} failed")
+        except Exception as exc:
+            self.release(posted)
+            raise _as_peer_lost(exc, self.name) from exc
+        return posted
+
+    def wait(self, posted: list[tuple[str, object, int]], deadline: float,
+             cancel=None) -> dict[str, float]:
+        """Wait for every posted READ until `deadline` (time.monotonic()) or until the `cancel`
+        event is set; returns per-kind seconds. Handles are released whatever happens."""
+        start, done = time.monotonic(), {}
+        pending = list(range(len(posted)))
+        try:
+            while pending:
+                for i in list(pending):
+                    kind, handle, _ = posted[i]
+                    state = self.agent.check_xfer_state(handle)
+                    if state == "DONE":
+                        pending.remove(i)
+                        done[kind] = max(done.get(kind, 0.0), time.monotonic() - start)
+                    elif state == "ERR":
+                        raise PeerLost(f"{self.name}: a {kind} read failed (peer error)")
+                if pending:
+                    if cancel is not None and cancel.is_set():
+                        raise TransferCancelled(f"{self.name}: cancelled with {len(pending)} "
+                                                "reads in flight")
+                    if time.monotonic() > deadline:
+                        raise TransferTimeout(
+                            f"{self.name}: {len(pending)} of {len(posted)} reads unfinished at the "
+                            f"deadline ({time.monotonic() - start:.2f} s after posting)")
+                    time.sleep(POLL_S)
+        except Exception as exc:
+            raise _as_peer_lost(exc, self.name) from exc
+        finally:
+            self.release(posted)
+        return done
+
+    def release(self, posted) -> None:
+        for _, handle, _ in posted:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # a failed or aborted handle; NIXL already dropped it
+                pass
+
+    def close(self) -> None:
+        """Drop peers, prepared lists and registrations (idempotent)."""
+        if self._registered is None:
+            return
+        for key in list(self.peers):
+            self.forget(*key)
+        for handle, _ in self._local_dlists.values():
+            self.agent.release_dlist_handle(handle)
+        self._local_dlists.clear()
+        self.agent.deregister_memory(self._registered)
+        self._registered = None
+
+
+def _merge(addresses: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """Registration intervals: per-layer regions of one tensor are adjacent, so merge them."""
+    spans = sorted(s for layers in addresses.values() for s in layers)
+    out: list[list[int]] = []
+    for a, n in spans:
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1][1] += n
+        else:
+            out.append([a, n])
+    return [(a, n) for a, n in out]
+
+
+def _as_peer_lost(exc: Exception, who: str) -> Exception:
+    """NIXL signals a dead peer with its own exception types; surface them as PeerLost."""
+    if isinstance(exc, (PeerLost, TransferTimeout, TransferCancelled)):
+        return exc
+    text = f"{type(exc).__name__}: {exc}"
+    if "DISCONNECT" in text.upper() or "REMOTE" in text.upper() or "BACKEND" in text.upper():
+        return PeerLost(f"{who}: peer lost during transfer ({text})")
+    return exc
