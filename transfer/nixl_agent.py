@@ -179,6 +179,9 @@ class RankAgent:
         pending = list(range(len(posted)))
         try:
             while pending:
+                if cancel is not None and cancel.is_set():
+                    raise TransferCancelled(f"{self.name}: cancelled with {len(pending)} "
+                                            "reads unconfirmed")
                 for i in list(pending):
                     kind, handle, _ = posted[i]
                     state = self.agent.check_xfer_state(handle)
@@ -188,9 +191,6 @@ class RankAgent:
                     elif state == "ERR":
                         raise PeerLost(f"{self.name}: a {kind} read failed (peer error)")
                 if pending:
-                    if cancel is not None and cancel.is_set():
-                        raise TransferCancelled(f"{self.name}: cancelled with {len(pending)} "
-                                                "reads in flight")
                     if time.monotonic() > deadline:
                         raise TransferTimeout(
                             f"{self.name}: {len(pending)} of {len(posted)} reads unfinished at the "

@@ -31,7 +31,11 @@ def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: in
     page_tokens = kv_cache.shape[1]
     n_pages = (seq_len + page_tokens - 1) // page_tokens
     pages = block_table[b, :n_pages].long().to(kv_cache.device)
-    return kv_cache[pages].reshape(n_pages * page_tokens, kv_cache.shape[2])[:seq_len]
+    if kv_cache.element_size() == 1:      # gather fp8 as bytes (index kernels may lack fp8)
+        rows = kv_cache.view(torch.uint8)[pages].view(kv_cache.dtype)
+    else:
+        rows = kv_cache[pages]
+    return rows.reshape(n_pages * page_tokens, kv_cache.shape[2])[:seq_len]
 
 
 def mla_decode_reference(
