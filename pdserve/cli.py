@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--out", required=True, help="output directory")
     e.set_defaults(func=cmd_export)
 
+    from pdserve.decode.capacity import add_cli as add_capacity
+    add_capacity(sub)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)

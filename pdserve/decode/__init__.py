@@ -1,0 +1,1 @@
+"""Decode runtime: batcher, runner, sampler, backend dispatch + guards."""
