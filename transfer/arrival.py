@@ -27,7 +27,8 @@ def finish_arrival(pools: StatePools, manifest: StateManifest, alloc: DestAlloca
             pools.slots.unstage(staging, slot)
     if manifest.num_tokens > 0 and manifest.shapes.n_kda:
         running = pools.slots.recurrent[:, alloc.slots[rank][0]]
-        zeroed = [i for i in range(running.shape[0]) if not torch.any(running[i])]
+        nonzero = running.reshape(running.shape[0], -1).any(dim=1).tolist()
+        zeroed = [i for i, ok in enumerate(nonzero) if not ok]
         if zeroed:
             raise IntegrityError(f"request {manifest.request_id}: destination rank {rank} holds a "
                                  f"zeroed KDA recurrent state in KDA layers {zeroed} after "

@@ -77,9 +77,9 @@ class DestRank:
         try:
             plan = plan_transfer(manifest, alloc, ranks=[self.rank])
             reads = plan.reads
+            t_plan = time.monotonic() - t0
             deadline = t0 + self.config.deadline_s(plan.total_bytes)
-            posted = self.agent.post_reads(src_instance, reads, plan.units)
-            t_post = time.monotonic() - t0
+            posted, t_prep = self.agent.post_reads(src_instance, reads, plan.units)
             seconds = self.agent.wait(posted, deadline, cancel)
             t1 = time.monotonic()
             if self.config.verify:
@@ -108,11 +108,11 @@ class DestRank:
         descriptors = sum(-(-r.length // plan.units[r.kind]) for r in reads)
         self.metrics.transfer({k: sum(r.length for r in reads if r.kind == k)
                                for k in plan.bytes_by_kind}, seconds, descriptors, len(reads),
-                              t_post + t_notify, t_verify)
+                              t_plan + t_prep + t_notify, t_verify)
         return {"bytes": sum(r.length for r in reads), "runs": len(reads),
                 "descriptors": descriptors, "seconds": time.monotonic() - t0,
-                "post_s": t_post, "verify_s": t_verify, "notify_s": t_notify,
-                "seconds_by_kind": seconds}
+                "control_s": t_plan + t_prep + t_notify, "plan_s": t_plan, "prep_s": t_prep,
+                "verify_s": t_verify, "notify_s": t_notify, "seconds_by_kind": seconds}
 
     def cancel(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str) -> None:
         """Abandon a request: free this rank's allocation and tell the source to free its state."""

@@ -141,8 +141,11 @@ class RankAgent:
 
     # -- reads ------------------------------------------------------------------------------
     def post_reads(self, src_instance: str, reads: list[Read], units: dict[str, int]
-                   ) -> list[tuple[str, object, int]]:
-        """Post one READ per (source rank, kind, staged) group; returns (kind, handle, bytes)."""
+                   ) -> tuple[list[tuple[str, object, int]], float]:
+        """Post one READ per (source rank, kind, staged) group. Returns the posted
+        (kind, handle, bytes) and the seconds spent preparing them (descriptor indices and
+        handles: the control cost; UCX may move data inside the post itself)."""
+        prep = 0.0
         groups: dict[tuple[int, str, bool], list[Read]] = {}
         for r in reads:
             groups.setdefault((r.src_rank, r.kind, r.staged), []).append(r)
@@ -155,6 +158,7 @@ class RankAgent:
                 unit = units[kind]
                 lh, lbase = self._local("kda_conv_staging" if staged else kind, unit)
                 rh, rbase = self._remote(peer, kind, unit)
+                t0 = time.perf_counter()
                 lidx, ridx = [], []
                 for r in rs:
                     n = -(-r.length // unit)
@@ -163,13 +167,14 @@ class RankAgent:
                     ridx += range(r0, r0 + n)
                 handle = self.agent.make_prepped_xfer("READ", lh, lidx, rh, ridx, b"")
                 posted.append((kind, handle, len(lidx) * unit))
+                prep += time.perf_counter() - t0
                 state = self.agent.transfer(handle)
                 if state == "ERR":
                     raise PeerLost(f"{self.name}: posting a read from {peer.info.name} failed")
         except Exception as exc:
             self.release(posted)
             raise _as_peer_lost(exc, self.name) from exc
-        return posted
+        return posted, prep
 
     def wait(self, posted: list[tuple[str, object, int]], deadline: float,
              cancel=None) -> dict[str, float]:

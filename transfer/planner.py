@@ -117,7 +117,7 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
             reads += _recurrent_reads(manifest, src, dshape, r, ss, ds)
             conv_dst = dst.staging_slots[r][i] if staged else ds
             reads += _conv_reads(manifest, src, dshape, r, ss, conv_dst, staged)
-    reads = coalesce(reads)
+    reads = coalesce(reads)  # across slots (running + checkpoints) of one layer
     by_kind = {k: sum(x.length for x in reads if x.kind == k) for k in KINDS}
     return TransferPlan(reads, units, by_kind, p, d)
 
@@ -158,9 +158,8 @@ def _latent_reads(m: StateManifest, dst: DestAllocation, r: int, unit: int) -> l
         # whole units even at the tail: the rows past N are zeroed on arrival (backend)
         src_off = (src_pages[t0 // ps] * ps + t0 % ps) * row
         dst_off = (dst_pages[lp // pd] * pd + lp % pd) * row
-        out += [Read(src_rank, r, "mla_latent", layer, src_off, dst_off, g * row)
-                for layer in range(m.shapes.n_mla)]
-    return out
+        out.append(Read(src_rank, r, "mla_latent", 0, src_off, dst_off, g * row))
+    return _every_layer(out, m.shapes.n_mla)
 
 
 def _head_overlaps(src: RankShapes, dst: RankShapes, r: int):
@@ -179,9 +178,8 @@ def _recurrent_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int,
     for s, a, b in _head_overlaps(src, dst, r):
         so = src_slot * src.kda_heads * head + (a - s * src.kda_heads) * head
         do = dst_slot * dst.kda_heads * head + (a - r * dst.kda_heads) * head
-        out += [Read(s, r, "kda_recurrent", layer, so, do, (b - a) * head)
-                for layer in range(src.n_kda)]
-    return out
+        out.append(Read(s, r, "kda_recurrent", 0, so, do, (b - a) * head))
+    return _every_layer(out, src.n_kda)
 
 
 def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_slot: int,
@@ -199,11 +197,16 @@ def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_
                 spans = [(ch_s * taps, ch_d * taps, n * taps)]
             else:                             # (taps, channels): one run per tap
                 spans = [(t * cs + ch_s, t * cd + ch_d, n) for t in range(taps)]
-            for so, do, length in spans:
-                out += [Read(s, r, "kda_conv", layer, src_slot * cs * taps * isz + so * isz,
-                             dst_slot * cd * taps * isz + do * isz, length * isz, staged)
-                        for layer in range(src.n_kda)]
-    return out
+            out += [Read(s, r, "kda_conv", 0, src_slot * cs * taps * isz + so * isz,
+                         dst_slot * cd * taps * isz + do * isz, length * isz, staged)
+                    for so, do, length in spans]
+    return _every_layer(out, src.n_kda)
+
+
+def _every_layer(reads: list[Read], n_layers: int) -> list[Read]:
+    """Offsets are the same in every layer's region: coalesce once, then stamp the layers."""
+    runs = coalesce(reads)
+    return [msgspec.structs.replace(x, layer=layer) for layer in range(n_layers) for x in runs]
 
 
 def coalesce(reads: list[Read]) -> list[Read]:
