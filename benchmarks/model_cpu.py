@@ -17,7 +17,7 @@ from common import write_result  # noqa: E402
 
 from pdserve.model.config import preset
 from pdserve.model.generate import ReferenceEngine, build_model
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling import Request, SamplingParams
 
 
 def measure(model, prompt_len: int, batch: int, decode_steps: int, repeats: int) -> dict:
@@ -25,7 +25,7 @@ def measure(model, prompt_len: int, batch: int, decode_steps: int, repeats: int)
     prefill, decode = [], []
     for _ in range(repeats):
         eng = ReferenceEngine(model, num_pages=batch * (prompt_len // 64 + 4), num_slots=batch + 1)
-        seqs = [eng.admit(f"r{i}", p, SamplingParams(max_tokens=decode_steps + 1))
+        seqs = [eng.admit(Request(f"r{i}", p, SamplingParams(max_tokens=decode_steps + 1)))
                 for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         eng.prefill(seqs)

@@ -6,7 +6,7 @@ import torch
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import preset, preset_dict, reduced_kimi_linear
 from pdserve.model.generate import ReferenceEngine, build_model
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling import Request, SamplingParams
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import StateLayout
 from pdserve.state.manifest import StateManifest, build_manifest
@@ -51,7 +51,7 @@ def move_state(src: ReferenceEngine, manifest: StateManifest, dst: ReferenceEngi
 def split_logits(model, prompt, forced, layout):
     vocab = model.config.vocab_size
     src = ReferenceEngine(model, layout, num_pages=64, num_slots=4)
-    seq = src.admit("r", prompt, SamplingParams(max_tokens=1))
+    seq = src.admit(Request("r", prompt, SamplingParams(max_tokens=1)))
     logits = [src.step([seq], [prompt])[0]]
     manifest = StateManifest.decode(build_manifest(
         "r", model.config, src.shapes, layout, seq.table, Topology()).encode())
@@ -70,7 +70,7 @@ def split_logits(model, prompt, forced, layout):
 
 def full_logits(model, tokens, layout):
     eng = ReferenceEngine(model, layout, num_pages=64, num_slots=4)
-    seq = eng.admit("full", tokens, SamplingParams(max_tokens=1))
+    seq = eng.admit(Request("full", tokens, SamplingParams(max_tokens=1)))
     batch = ForwardBatch.of([seq.table], [len(tokens)])
     return model(torch.tensor(tokens), batch, eng.pools)
 
@@ -105,11 +105,11 @@ def test_varlen_batch_equals_each_sequence_alone():
     model = MODELS["tiny"]()
     eng = ReferenceEngine(model, num_pages=64, num_slots=8)
     prompts = [list(range(1, 30)), [7], list(range(40, 52))]
-    seqs = [eng.admit(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    seqs = [eng.admit(Request(f"r{i}", p, SamplingParams())) for i, p in enumerate(prompts)]
     together = eng.step(seqs, prompts)
     for s, p, row in zip(seqs, prompts, together):
         alone = ReferenceEngine(model, num_pages=64, num_slots=8)
-        one = alone.admit("a", p, SamplingParams())
+        one = alone.admit(Request("a", p, SamplingParams()))
         assert torch.allclose(alone.step([one], [p])[0], row, atol=1e-5, rtol=1e-5)
 
 
@@ -120,16 +120,16 @@ def test_chunked_prefill_with_checkpoints_matches_whole_prefill():
     layout = StateLayout(page_tokens=8, latent_dtype="float32", conv_dtype="float32")
     prompt = list(range(5, 5 + 27))
     chunked = ReferenceEngine(model, layout, num_slots=8, checkpoint_interval=8)
-    seq = chunked.admit("c", prompt, SamplingParams(max_tokens=1))
+    seq = chunked.admit(Request("c", prompt, SamplingParams(max_tokens=1)))
     first = chunked.prefill([seq])
     assert [pos for pos, _ in seq.table.checkpoints] == [8, 16, 24]
     whole = ReferenceEngine(model, layout, num_slots=8)
-    ref = whole.admit("w", prompt, SamplingParams(max_tokens=1))
+    ref = whole.admit(Request("w", prompt, SamplingParams(max_tokens=1)))
     assert whole.prefill([ref]) == first
     assert torch.allclose(chunked.pools.slots.recurrent[:, seq.table.kda_slot],
                           whole.pools.slots.recurrent[:, ref.table.kda_slot], atol=1e-5)
     prefix = ReferenceEngine(model, layout, num_slots=8)
-    p = prefix.admit("p", prompt[:16], SamplingParams(max_tokens=1))
+    p = prefix.admit(Request("p", prompt[:16], SamplingParams(max_tokens=1)))
     prefix.prefill([p])
     ckpt_slot = dict(seq.table.checkpoints)[16]
     assert torch.allclose(chunked.pools.slots.recurrent[:, ckpt_slot],

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from pdserve.model.config import preset
 from pdserve.model.generate import ReferenceEngine, build_model
 from pdserve.model.parallel import TPGroup
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling import Request, SamplingParams
 from pdserve.state.layout import StateLayout
 
 PROMPTS = [list(b"tensor parallel"), list(b"KDA + MLA hybrid model, sharded by heads")]
@@ -21,7 +21,8 @@ def _logits_and_tokens(tp: TPGroup):
     torch.set_num_threads(1)
     model = build_model(preset("tiny"), tp, seed=7)
     eng = ReferenceEngine(model, LAYOUT, num_pages=32, num_slots=4)
-    seqs = [eng.admit(f"r{i}", p, SamplingParams(max_tokens=len(FORCED) + 1)) for i, p in enumerate(PROMPTS)]
+    seqs = [eng.admit(Request(f"r{i}", p, SamplingParams(max_tokens=len(FORCED) + 1)))
+            for i, p in enumerate(PROMPTS)]
     rows = [eng.step(seqs, PROMPTS)]
     for t in FORCED:
         rows.append(eng.step(seqs, [[t], [t]]))

@@ -14,7 +14,7 @@ from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
 from pdserve.model.model import HybridModel
 from pdserve.model.parallel import TPGroup
-from pdserve.model.sampling import SamplingParams, sample
+from pdserve.model.sampling import Request, SamplingParams, sample
 from pdserve.model.weights import init_seeded, load_checkpoint
 from pdserve.state.block_table import BlockTable
 from pdserve.state.layout import RankShapes, StateLayout
@@ -91,8 +91,9 @@ class ReferenceEngine:
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     # -- state ------------------------------------------------------------------------------
-    def admit(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+    def admit(self, request: Request) -> Sequence:
         """Reserve pages for prompt + max_tokens and a KDA slot; refuse cleanly when full."""
+        request_id, prompt, params = request.request_id, request.prompt, request.params
         if not prompt:
             raise ValueError(f"request {request_id}: empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
@@ -176,7 +177,7 @@ class ReferenceEngine:
         seqs: list[Sequence] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-                seqs.append(self.admit(f"req-{i}", p, sp))
+                seqs.append(self.admit(Request(f"req-{i}", list(p), sp)))
             self.prefill(seqs)
             if on_step:
                 on_step(seqs)

@@ -61,3 +61,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
         logits[order[drop]] = float("-inf")
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=_generator(params.seed, position)).item())
+
+
+class Request(msgspec.Struct, frozen=True):
+    """One generation request: token ids in, sampling settings."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams = SamplingParams()

@@ -1,0 +1,321 @@
+"""KDA decode step on one GPU: the CuTe DSL kernel vs stock (fla-core Triton + torch), vs the floor.
+
+For H in {12, 32, 96} x B in {1, 2, 4, 8, 16, 32, 64} (K = V = 128, bounded K3 decay, SD conv):
+  ours   : pdserve's fused CuTe DSL kernel (conv + norms + gates + delta rule + gated RMSNorm),
+           with the launcher's default cluster size; every cluster size is timed too.
+  ours_pdl: the same launched with programmatic dependent launch (slot, pool and weight loads
+           overlap the previous call; consecutive calls use disjoint slot sets, as PDL requires).
+  fla    : fla-core's `fused_recurrent_kda_fwd` (the Triton kernel vLLM vendors) doing the core
+           math (gate, beta, L2 norm fused), in place on the same value-major state pool through
+           slot indices, as vLLM's decode calls it.
+  stock  : fla + the parts fla lacks, in torch: the conv-state update + conv + SiLU before it and
+           the gated RMSNorm after it (all captured in one CUDA graph).
+  floor  : fp32 state read + written once at the copy bandwidth measured in the same run.
+Times: median over CUDA-graph replays; each graph holds N calls that rotate over disjoint slot
+sets, so the state they touch (>= ~200 MB, at most 256 sets) does not stay in L2; per-call = replay / N.
+Writes JSON (device, versions, date, every figure) to benchmarks/results/ (or --out) and prints a
+short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+HEADS = (12, 32, 96)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+D, W = 128, 4
+LOWER_BOUND = -5.0
+EPS = 1e-5
+ROTATE_BYTES = 200 << 20
+
+
+def versions():
+    v = {"python": platform.python_version(), "torch": torch.__version__,
+         "cuda": torch.version.cuda}
+    for name, mod in (("triton", "triton"), ("fla-core", "fla"), ("nvidia-cutlass-dsl", "cutlass")):
+        try:
+            m = __import__(mod)
+            v[name] = getattr(m, "__version__", "?")
+        except Exception as exc:  # noqa: BLE001
+            v[name] = f"unavailable: {exc}"
+    return v
+
+
+def events_ms(fn, reps):
+    """Median ms of `fn()` over `reps` timed runs (after warm-up), CUDA events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth_GBps():
+    n = 1 << 30
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = events_ms(lambda: dst.copy_(src), 20)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+EAGER_FALLBACKS = []
+
+
+def graph_us_per_call(calls, reps=20):
+    """Median us per call over replays of one CUDA graph holding `calls` (a list of thunks).
+    If capture fails, times the calls eagerly and records that in EAGER_FALLBACKS."""
+    try:
+        return _graph_us_per_call(calls, reps)
+    except Exception as exc:  # noqa: BLE001
+        torch.cuda.synchronize()
+        EAGER_FALLBACKS.append(f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+
+        def run_all():
+            for c in calls:
+                c()
+        return events_ms(run_all, reps) * 1e3 / len(calls)
+
+
+def _graph_us_per_call(calls, reps):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:2]:
+            c()                        # warm-up (compiles, autotunes) outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    ms = events_ms(g.replay, reps)
+    del g
+    return ms * 1e3 / len(calls)
+
+
+class Cell:
+    """Inputs for one (H, B): one pool with `n_sets` disjoint slot sets of B slots."""
+
+    def __init__(self, H, B, seed):
+        torch.manual_seed(seed)
+        HD = H * D
+        self.H, self.B = H, B
+        per_call = B * H * D * D * 4
+        self.n_sets = max(2, min(256, math.ceil(ROTATE_BYTES / per_call)))
+        n_slots = self.n_sets * B + 1
+        dev = "cuda"
+        self.rows = [torch.randn(B, HD, device=dev).to(torch.bfloat16) for _ in range(5)]
+        self.q, self.k, self.v, self.g_out, self.f = self.rows
+        self.beta_raw = torch.randn(B, H, device=dev).to(torch.bfloat16)
+        self.conv_weight = torch.randn(3 * HD, W, device=dev) * 0.5
+        self.A_log = torch.rand(H, device=dev) * math.log(16.0)
+        self.dt_bias = 0.5 * torch.randn(HD, device=dev)
+        self.norm_weight = 1.0 + 0.1 * torch.randn(D, device=dev)
+        self.state = torch.randn(n_slots, H, D, D, device=dev) * 0.3
+        self.conv = torch.randn(n_slots, W - 1, 3 * HD, device=dev).to(torch.bfloat16)
+        perm = torch.randperm(n_slots - 1, device=dev) + 1
+        self.slot_sets = [perm[i * B:(i + 1) * B].to(torch.int32).contiguous()
+                          for i in range(self.n_sets)]
+        self.out = torch.empty(B, HD, device=dev, dtype=torch.bfloat16)
+        self.cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+        self.n_calls = max(self.n_sets, 8)
+
+    def args(self, slots):
+        return dict(q=self.q, k=self.k, v=self.v, g_out=self.g_out, f=self.f,
+                    beta_raw=self.beta_raw, conv_weight=self.conv_weight, A_log=self.A_log,
+                    dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=EPS,
+                    lower_bound=LOWER_BOUND, state_pool=self.state, conv_pool=self.conv,
+                    slot_idx=slots, conv_layout="SD", out=self.out)
+
+    def sets(self):
+        return [self.slot_sets[i % self.n_sets] for i in range(self.n_calls)]
+
+
+def ours_calls(cell, cluster=None, pdl=False, min_blocks=0):
+    from pdserve.kernels.kda_decode import cutedsl
+    return [lambda s=s: cutedsl.launch(**cell.args(s), cluster=cluster, pdl=pdl,
+                                       min_blocks=min_blocks)
+            for s in cell.sets()]
+
+
+def torch_conv(cell, slots):
+    """Stock conv part in torch: causal conv update + SiLU over [q|k|v], state rolled in place."""
+    x = torch.cat([cell.q, cell.k, cell.v], dim=1)                    # [B, 3HD]
+    idx = slots.long()
+    win = torch.cat([cell.conv[idx], x[:, None]], dim=1)              # [B, W, 3HD]
+    cell.conv[idx] = win[:, 1:]
+    y = F.silu((win.float() * cell.conv_weight.t()[None]).sum(1)).to(torch.bfloat16)
+    return y.view(cell.B, 3, cell.H, D)
+
+
+def torch_norm(cell, o):
+    of = o.float().view(cell.B, cell.H, D)
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + EPS) * cell.norm_weight
+    cell.out.copy_((of * torch.sigmoid(cell.g_out.float().view(cell.B, cell.H, D))).view(cell.B, -1))
+
+
+def fla_core(cell, slots, qkv=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    B, H = cell.B, cell.H
+    if qkv is None:
+        q = cell.q.view(1, B, H, D)
+        k = cell.k.view(1, B, H, D)
+        v = cell.v.view(1, B, H, D)
+    else:
+        q, k, v = (qkv[:, i].reshape(1, B, H, D) for i in range(3))
+    o, _ = fused_recurrent_kda_fwd(
+        q=q, k=k, v=v, g=cell.f.view(1, B, H, D), beta=cell.beta_raw.view(1, B, H),
+        A_log=cell.A_log, dt_bias=cell.dt_bias, scale=D ** -0.5,
+        initial_state=cell.state, inplace_final_state=True, state_v_first=True,
+        cu_seqlens=cell.cu, ssm_state_indices=slots,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=LOWER_BOUND)
+    return o
+
+
+def quick_check(cell):
+    """One call of ours vs the reference on a copy of the pools (guards against timing garbage)."""
+    from pdserve.kernels.kda_decode import kda_decode_cutedsl, kda_decode_reference
+    s = cell.slot_sets[0]
+    a = cell.args(s)
+    st0, cv0 = cell.state[s.long()].clone(), cell.conv[s.long()].clone()
+    ref_state = cell.state.clone()
+    ref_conv = cell.conv.clone()
+    ref_out = torch.empty_like(cell.out)
+    kda_decode_reference(**{**a, "state_pool": ref_state, "conv_pool": ref_conv, "out": ref_out})
+    cell.out.fill_(float("nan"))
+    kda_decode_cutedsl(**a)
+    torch.cuda.synchronize()
+    rel = lambda x, y: ((x.double() - y.double()).norm() / y.double().norm()).item()
+    res = {"state_rel_err": rel(cell.state[s.long()], ref_state[s.long()]),
+           "out_rel_err": rel(cell.out, ref_out),
+           "out_all_written": bool(not cell.out.isnan().any())}
+    cell.state[s.long()] = st0                      # restore (not needed for timing, but tidy)
+    cell.conv[s.long()] = cv0
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kda_decode_<date>.json)")
+    ap.add_argument("--heads", type=int, nargs="*", default=list(HEADS))
+    ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    ap.add_argument("--no-cluster-sweep", action="store_true")
+    ap.add_argument("--occupancy-sweep", action="store_true",
+                    help="also time a register cap for 3 CTAs/SM (C = 1, 2; B*H >= 192)")
+    args = ap.parse_args(argv)
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    from pdserve.kernels.kda_decode import cutedsl
+
+    dev = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth_GBps()
+    print(f"device {dev.name}, copy bandwidth {bw:.0f} GB/s", flush=True)
+    res = {"device": dev.name, "sm_count": dev.multi_processor_count,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "versions": versions(), "copy_GBps": bw,
+           "config": {"K": D, "V": D, "conv_width": W, "lower_bound": LOWER_BOUND,
+                      "conv_layout": "SD", "rotate_bytes": ROTATE_BYTES,
+                      "timing": "median of 20 CUDA-graph replays / calls per graph"},
+           "cells": {}}
+    for H in args.heads:
+        for B in args.batches:
+            key = f"H{H}_B{B}"
+            cell = Cell(H, B, seed=H * 100 + B)
+            state_bytes = 2 * B * H * D * D * 4
+            r = {"H": H, "B": B, "floor_us": state_bytes / (bw * 1e9) * 1e6,
+                 "cluster_default": cutedsl.choose_cluster(B, H),
+                 "cluster_default_pdl": cutedsl.choose_cluster(B, H, pdl=True),
+                 "calls_per_graph": cell.n_calls,
+                 "slot_sets": cell.n_sets}
+            try:
+                r.update(quick_check(cell))
+                r["ours_us"] = graph_us_per_call(ours_calls(cell))
+                r["ours_pdl_us"] = graph_us_per_call(ours_calls(cell, pdl=True))
+                if not args.no_cluster_sweep:
+                    r["ours_us_by_cluster"] = {
+                        str(c): graph_us_per_call(ours_calls(cell, c)) for c in cutedsl.CLUSTER_SIZES}
+                    r["ours_pdl_us_by_cluster"] = {
+                        str(c): graph_us_per_call(ours_calls(cell, c, True)) for c in (1, 2, 4)}
+                    if args.occupancy_sweep and B * H >= 192:   # occupancy variants (register cap for 3 CTAs per SM)
+                        r["ours_pdl_us_min_blocks3"] = {
+                            str(c): graph_us_per_call(ours_calls(cell, c, True, 3)) for c in (1, 2)}
+            except Exception as exc:  # noqa: BLE001
+                r["ours_error"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            try:
+                sets = cell.sets()
+                r["fla_us"] = graph_us_per_call([lambda s=s: fla_core(cell, s) for s in sets])
+                r["torch_conv_us"] = graph_us_per_call([lambda s=s: torch_conv(cell, s) for s in sets])
+                o = fla_core(cell, sets[0])
+                r["torch_norm_us"] = graph_us_per_call([lambda: torch_norm(cell, o) for _ in sets])
+                r["stock_us"] = graph_us_per_call(
+                    [lambda s=s: torch_norm(cell, fla_core(cell, s, torch_conv(cell, s))) for s in sets])
+            except Exception as exc:  # noqa: BLE001
+                r["stock_error"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            if "ours_us" in r:
+                r["frac_of_floor"] = r["floor_us"] / r["ours_us"]
+                r["achieved_GBps"] = state_bytes / (r["ours_us"] * 1e-6) / 1e9
+                if "stock_us" in r:
+                    r["speedup_vs_stock"] = r["stock_us"] / r["ours_us"]
+                if "fla_us" in r:
+                    r["speedup_vs_fla_core"] = r["fla_us"] / r["ours_us"]
+            if "ours_pdl_us" in r:
+                r["pdl_frac_of_floor"] = r["floor_us"] / r["ours_pdl_us"]
+                if "stock_us" in r:
+                    r["pdl_speedup_vs_stock"] = r["stock_us"] / r["ours_pdl_us"]
+            res["cells"][key] = r
+            print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            del cell
+            torch.cuda.empty_cache()
+
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results",
+        f"kda_decode_{datetime.date.today().isoformat()}.json")
+    res["eager_fallbacks"] = EAGER_FALLBACKS
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+    f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"
+    print(f"\nKDA decode step, {dev.name}, copy {bw:.0f} GB/s; us per call (CUDA graph), bounded gate, SD conv")
+    print(f"{'H':>3} {'B':>3} {'ours':>7} {'C':>2} {'best C':>9} {'fla':>7} {'stock':>7} {'floor':>7} {'%floor':>7} {'x stock':>7} {'x fla':>6} {'pdl':>7} {'%floor':>7}")
+    for r in res["cells"].values():
+        best = ""
+        if "ours_us_by_cluster" in r:
+            c, t = min(r["ours_us_by_cluster"].items(), key=lambda kv: kv[1])
+            best = f"{c}:{t:.1f}"
+        print(f"{r['H']:>3} {r['B']:>3} {f(r, 'ours_us'):>7} {r['cluster_default']:>2} {best:>9} "
+              f"{f(r, 'fla_us'):>7} {f(r, 'stock_us'):>7} {f(r, 'floor_us', '{:.2f}'):>7} "
+              f"{f(r, 'frac_of_floor', '{:.0%}'):>7} {f(r, 'speedup_vs_stock', '{:.2f}'):>7} "
+              f"{f(r, 'speedup_vs_fla_core', '{:.2f}'):>6} {f(r, 'ours_pdl_us'):>7} "
+              f"{f(r, 'pdl_frac_of_floor', '{:.0%}'):>7}")
+    print(f"json: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
