@@ -1,0 +1,701 @@
+"""CuTe DSL absorbed MLA decode attention over the paged latent cache (Hopper sm_90a).
+
+One CTA per (KV split, request) computes, for all H local heads of that request at once (MQA:
+the 576-wide latent row is shared by every head), an online-softmax attention over its share of
+the request's tokens, in 64-token tiles that each lie inside one cache page:
+
+  * gmem -> smem: cp.async 16-byte copies of the [64, 576] tile (bf16), or of the fp8 e4m3
+    tile into a raw staging ring that every thread then widens to bf16 itself (per-tensor
+    scale folded into the softmax scale and the output); a 2-3 deep ring of tiles.
+  * S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate): the heads (padded to 16/32)
+    are M, the 64 tokens N (four warps along N, 16 tokens each), the 576 dims K.
+  * softmax: per-row max and sum combined across the four N warps through shared memory; the
+    probabilities go to shared memory as bf16.
+  * O += P V with the same tiled MMA: V = the first 512 dims of the same smem tile (c_kv), read
+    transposed by ldmatrix; each of the four N warps owns 128 of the 512 output columns.
+
+With one split the CTA writes the final bf16 output and the natural-log LSE. With several, it
+writes an fp32 partial (normalized over its tokens) and its LSE, and `_combine_kernel` merges
+them exactly (the same formula as `reference.merge_partials`). A split with no tokens writes
+LSE = -inf only, and the combine skips it.
+
+Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
+the sigmoid output gate.
+
+Status on the H200 (benchmarks/results/mla_decode_h200.json, CUDA-graph medians): bf16 reaches
+75-97 % of the 4245 GB/s copy floor where B x L >= 256K tokens except H=32, B=8, L=32K (69 %);
+one CTA per SM keeps one 74 KB tile in flight, and the per-tile MMA + softmax chain (~2.2 us
+for 4 warps per 16 heads) is what limits H=32 and every fp8 case (fp8 halves the bytes but
+not that chain: 27-38 % of the fp8 floor). B=1, L=8K takes ~18-20 us (target 10): two
+launches plus a two-tile critical path. Next steps: wgmma (64-row, Q from smem, S in registers)
+with a warp-specialized TMA producer and 2-3 tiles in flight, fp8 QK/PV with a quantized
+query, and a fused split combine (last CTA per request merges) to drop the second launch.
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+D_QK = 576
+D_V = 512
+TILE_N = 64                       # tokens per tile; a tile never straddles a page
+SMEM_LIMIT = 227 * 1024           # sm_90 opt-in dynamic smem per block
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def _swizzled_atom(cols: int):
+    bits = {64: 3, 32: 2, 16: 1}[cols]
+    return cute.make_composed_layout(
+        cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, cols), stride=(cols, 1)))
+
+
+class MlaDecodeKernel:
+    """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32), page size."""
+
+    def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool = False):
+        assert h_pad in (16, 32), h_pad
+        assert page_tokens % TILE_N == 0, page_tokens
+        self.kv_fp8 = kv_fp8
+        self.h_pad = h_pad
+        self.mw = h_pad // 16                 # warps along M (16 heads each)
+        self.nw = 4                           # warps along N
+        self.num_threads = 32 * self.mw * self.nw
+        self.page_tokens = page_tokens
+        self.tiles_per_page = page_tokens // TILE_N
+        self.kv_dtype = cutlass.Float8E4M3FN if kv_fp8 else BFloat16
+        # MMA operand type. fp8 caches widen to fp16 (one cvt.f16x2.e4m3x2 per pair, exact; the
+        # bf16 widening costs 3 more conversions per pair): Q is then rounded to fp16, which
+        # needs |q| < 65504 (absorbed queries are O(1..100)) and is finer than bf16.
+        self.cdt = cutlass.Float16 if (kv_fp8 and fp8_f16) else BFloat16
+        # smem budget: Q + P + row stats, then the KV ring (+ the bf16 widened tile for fp8)
+        fixed = h_pad * D_QK * 2 + h_pad * TILE_N * 2 + 2 * h_pad * 4 * 4 + 4 * 1024
+        if kv_fp8:
+            self.raw_row = D_QK + 16          # padded fp8 staging rows (bank spread)
+            fixed += TILE_N * D_QK * 2
+            per_stage = TILE_N * self.raw_row
+        else:
+            per_stage = TILE_N * D_QK * 2
+        self.stages = max(2, min(4, (SMEM_LIMIT - fixed) // per_stage))
+        assert fixed + self.stages * per_stage <= SMEM_LIMIT, (fixed, per_stage, self.stages)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,       # [B, H, 576] bf16
+        kv_ptr: cute.Pointer,      # [num_pages, page_tokens, 576] bf16 | fp8
+        bt_ptr: cute.Pointer,      # [B, max_pages] int32
+        seq_ptr: cute.Pointer,     # [B] int32
+        o_ptr: cute.Pointer,       # [B, H, 512] bf16 (final, used when num_splits == 1)
+        lse_ptr: cute.Pointer,     # [B, H] fp32 (final, used when num_splits == 1)
+        op_ptr: cute.Pointer,      # [S, B, H, 512] fp32 partials (num_splits > 1)
+        lsep_ptr: cute.Pointer,    # [S, B, H] fp32 partial LSEs (num_splits > 1)
+        batch: Int32,
+        heads: Int32,
+        num_pages: Int32,
+        max_pages: Int32,
+        num_splits: Int32,
+        scale_log2: Float32,       # softmax_scale * kv_scale * log2(e)
+        out_scale: Float32,        # kv_scale (1 for bf16)
+        stream,
+    ):
+        hp = self.h_pad
+        cdt = self.cdt
+        mQ = cute.make_tensor(q_ptr, cute.make_layout(
+            (batch, heads, D_QK), stride=(cute.assume(heads * D_QK, divby=64), D_QK, 1)))
+        mKV = cute.make_tensor(kv_ptr, cute.make_layout(
+            (num_pages, self.page_tokens, D_QK), stride=(self.page_tokens * D_QK, D_QK, 1)))
+        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+        mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
+        mO = cute.make_tensor(o_ptr, cute.make_layout(
+            (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
+        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
+        mOp = cute.make_tensor(op_ptr, cute.make_layout(
+            (num_splits, batch, heads, D_V),
+            stride=(cute.assume(batch * heads * D_V, divby=64),
+                    cute.assume(heads * D_V, divby=64), D_V, 1)))
+        mLsep = cute.make_tensor(lsep_ptr, cute.make_layout(
+            (num_splits, batch, heads), stride=(batch * heads, heads, 1)))
+
+        # ---- shared memory layouts ----
+        sQ_layout = cute.tile_to_shape(_swizzled_atom(64), (hp, D_QK), (0, 1))
+        sKV_layout = cute.tile_to_shape(_swizzled_atom(64), (TILE_N, D_QK), (0, 1))
+        sKV_staged = cute.tile_to_shape(_swizzled_atom(64), (TILE_N, D_QK, self.stages), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(_swizzled_atom(64), (hp, TILE_N), (0, 1))
+        sStat_layout = cute.make_layout((hp, self.nw), stride=(self.nw, 1))
+        if cutlass.const_expr(self.kv_fp8):
+            sRaw_staged = cute.make_layout(
+                (TILE_N, D_QK, self.stages), stride=(self.raw_row, 1, TILE_N * self.raw_row))
+
+            @cute.struct
+            class SharedStorage:
+                sQ: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sQ_layout)], 1024]
+                sKV: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sKV_layout)], 1024]
+                sRaw: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sRaw_staged)], 1024]
+                sP: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sP_layout)], 1024]
+                sMax: cute.struct.Align[cute.struct.MemRange[Float32, hp * self.nw], 16]
+                sSum: cute.struct.Align[cute.struct.MemRange[Float32, hp * self.nw], 16]
+        else:
+            sRaw_staged = sKV_staged
+
+            @cute.struct
+            class SharedStorage:
+                sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sQ_layout)], 1024]
+                sKV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sKV_staged)], 1024]
+                sP: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sP_layout)], 1024]
+                sMax: cute.struct.Align[cute.struct.MemRange[Float32, hp * self.nw], 16]
+                sSum: cute.struct.Align[cute.struct.MemRange[Float32, hp * self.nw], 16]
+
+        # ---- gmem -> smem copies (16 bytes per thread per copy) ----
+        nt = self.num_threads
+        atom_g2s_bf16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+            num_bits_per_copy=128)
+        copy_bf16 = cute.make_tiled_copy_tv(
+            atom_g2s_bf16, cute.make_layout((nt // 8, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+        if cutlass.const_expr(self.kv_fp8):
+            atom_g2s_kv = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                cutlass.Float8E4M3FN, num_bits_per_copy=128)
+            copy_kv = cute.make_tiled_copy_tv(
+                atom_g2s_kv, cute.make_layout((nt // 4, 4), stride=(4, 1)), cute.make_layout((1, 16)))
+            atom_cvt = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cdt,
+                                           num_bits_per_copy=128)
+            copy_cvt = cute.make_tiled_copy_tv(
+                atom_cvt, cute.make_layout((nt // 4, 4), stride=(4, 1)), cute.make_layout((1, 16)))
+        else:
+            copy_kv = copy_bf16
+            copy_cvt = copy_bf16
+
+        # ---- MMA: heads = M (mw warps), tokens / output columns = N (4 warps, 16 each) ----
+        perm_n = cute.make_layout((8, self.nw, 2), stride=(1, 16, 8))
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(cdt, Float32, (16, 8, 16)),
+            (self.mw, self.nw, 1),
+            permutation_mnk=(hp, perm_n, 16),
+        )
+
+        self.kernel(
+            mQ, mKV, mBT, mSeq, mO, mLse, mOp, mLsep, num_splits, scale_log2, out_scale,
+            sQ_layout, sKV_layout, sKV_staged, sRaw_staged, sP_layout, sStat_layout,
+            copy_bf16, copy_kv, copy_cvt, tiled_mma, SharedStorage,
+        ).launch(grid=(num_splits, batch, 1), block=(nt, 1, 1), stream=stream)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
+        mO: cute.Tensor, mLse: cute.Tensor, mOp: cute.Tensor, mLsep: cute.Tensor,
+        num_splits: Int32, scale_log2: Float32, out_scale: Float32,
+        sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+        sKV_staged: cute.ComposedLayout, sRaw_staged, sP_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
+        copy_bf16: cute.TiledCopy, copy_kv: cute.TiledCopy, copy_cvt: cute.TiledCopy,
+        tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+    ):
+        hp = self.h_pad
+        cdt = self.cdt
+        stages = self.stages
+        tidx, _, _ = cute.arch.thread_idx()
+        split, b, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp_n = tidx // (32 * self.mw)
+        heads = mQ.shape[1]
+
+        seqlen = mSeq[b]
+        n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
+        tiles_per_split = (n_tiles + num_splits - 1) // num_splits
+        t_begin = split * tiles_per_split
+        t_end = cutlass.min(t_begin + tiles_per_split, n_tiles)
+
+        if t_begin >= t_end:
+            # an empty split (short request): only its LSE, which the combine skips
+            if tidx < heads:
+                mLsep[split, b, tidx] = -Float32.inf
+        else:
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sP = storage.sP.get_tensor(sP_layout)
+            sMax = storage.sMax.get_tensor(sStat_layout)
+            sSum = storage.sSum.get_tensor(sStat_layout)
+            if cutlass.const_expr(self.kv_fp8):
+                sRaw = storage.sRaw.get_tensor(sRaw_staged)
+                sKVc = storage.sKV.get_tensor(sKV_layout)
+            else:
+                sRaw = storage.sKV.get_tensor(sKV_staged)
+                sKVc = sRaw[None, None, 0]
+
+            # ---- Q -> smem (rows >= H zero) ----
+            thr_bf16 = copy_bf16.get_slice(tidx)
+            gQ = cute.local_tile(mQ[b, None, None], (hp, D_QK), (0, 0))
+            cQ = cute.make_identity_tensor((hp, D_QK))
+            tQgQ = thr_bf16.partition_S(gQ)
+            tQsQ = thr_bf16.partition_D(sQ)
+            tQcQ = thr_bf16.partition_S(cQ)
+            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                if tQcQ[0, m, 0][0] < heads:
+                    if cutlass.const_expr(cdt == BFloat16):
+                        cute.copy(copy_bf16, tQgQ[None, m, None], tQsQ[None, m, None])
+                    else:
+                        rq = cute.make_fragment_like(tQgQ[None, m, None], BFloat16)
+                        cute.autovec_copy(tQgQ[None, m, None], rq)
+                        rh = cute.make_fragment_like(rq, cdt)
+                        rh.store(rq.load().to(cdt))
+                        cute.autovec_copy(rh, tQsQ[None, m, None])
+                else:
+                    tQsQ[None, m, None].fill(0)
+
+            # ---- KV tile loads ----
+            thr_kv = copy_kv.get_slice(tidx)
+            cKV = cute.make_identity_tensor((TILE_N, D_QK))
+            tKVcKV = thr_kv.partition_S(cKV)
+
+            for s in cutlass.range_constexpr(stages - 1):
+                if t_begin + s < t_end:
+                    self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv, tKVcKV, sRaw[None, None, s])
+                cute.arch.cp_async_commit_group()
+
+            # ---- MMA partitions and smem -> register copies ----
+            thr_mma = tiled_mma.get_slice(tidx)
+            acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hp, D_V)), Float32)
+            acc_O.fill(0.0)
+            acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hp, TILE_N)), Float32)
+
+            ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+            ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+            s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, cdt), tiled_mma)
+            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, cdt), tiled_mma)
+            s2r_Bt = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, cdt), tiled_mma)
+            thr_A = s2r_A.get_slice(tidx)
+            thr_B = s2r_B.get_slice(tidx)
+            thr_Bt = s2r_Bt.get_slice(tidx)
+
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSsQ = thr_A.partition_S(sQ)
+            tSrQ_v = thr_A.retile(tSrQ)
+            tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
+            tOsP = thr_A.partition_S(sP)
+            tOrP_v = thr_A.retile(tOrP)
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKVc))
+            tSrK_v = thr_B.retile(tSrK)
+            sVt0 = cute.composition(sKVc, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt0))
+            tOrV_v = thr_Bt.retile(tOrV)
+
+            # P: fp32 accumulator -> bf16 -> smem
+            r2s_P = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cdt), tiled_mma)
+            thr_P = r2s_P.get_slice(tidx)
+            tPsP = thr_P.partition_D(sP)
+
+            # row coordinates of this thread's accumulator rows
+            cS = cute.make_identity_tensor((hp, TILE_N))
+            tScS = thr_mma.partition_C(cS)
+            tScS_mn = self._mn_view(tScS)
+            acc_S_mn = self._mn_view(acc_S)
+            acc_O_mn = self._mn_view(acc_O)
+            n_rows = cute.size(acc_S_mn.shape[0])
+            row_max = cute.make_rmem_tensor((n_rows,), Float32)
+            row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+            row_max.fill(-Float32.inf)
+            row_sum.fill(0.0)
+
+            if cutlass.const_expr(self.kv_fp8):
+                thr_cvt = copy_cvt.get_slice(tidx)
+                tCsC = thr_cvt.partition_D(sKVc)
+
+            # ---- main loop over this split's tiles ----
+            for t in cutlass.range(t_begin, t_end, unroll=1):
+                it = t - t_begin
+                stage = it % stages
+                cute.arch.cp_async_wait_group(stages - 2)
+                cute.arch.sync_threads()
+                # refill the stage that tile t-1 used (everyone is past it now)
+                t_next = t + stages - 1
+                if t_next < t_end:
+                    self._load_tile(mKV, mBT, b, t_next, seqlen, copy_kv, thr_kv, tKVcKV,
+                                    sRaw[None, None, (it + stages - 1) % stages])
+                cute.arch.cp_async_commit_group()
+
+                if cutlass.const_expr(self.kv_fp8):
+                    # each thread widens exactly the bytes its own cp.async brought in
+                    tRs = thr_kv.partition_D(sRaw[None, None, stage])
+                    for n in cutlass.range_constexpr(cute.size(tRs.shape[1])):
+                        for k in cutlass.range_constexpr(cute.size(tRs.shape[2])):
+                            r8 = cute.make_rmem_tensor(cute.size(tRs[None, n, k]),
+                                                       cutlass.Float8E4M3FN)
+                            cute.autovec_copy(tRs[None, n, k], r8)
+                            rb = cute.make_rmem_tensor(cute.size(tRs[None, n, k]), cdt)
+                            rb.store(r8.load().to(cdt))
+                            cute.autovec_copy(rb, tCsC[None, n, k])
+                    cute.arch.sync_threads()
+                    sK = sKVc
+                else:
+                    sK = sRaw[None, None, stage]
+                sVt = cute.composition(sK, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+                tSsK = thr_B.partition_S(sK)
+                tOsV = thr_Bt.partition_S(sVt)
+
+                # S = Q K^T
+                acc_S.fill(0.0)
+                n_k = cute.size(tSsQ.shape[2])
+                cute.copy(s2r_A, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
+                cute.copy(s2r_B, tSsK[None, None, 0], tSrK_v[None, None, 0])
+                for k in cutlass.range_constexpr(n_k):
+                    if cutlass.const_expr(k + 1 < n_k):
+                        cute.copy(s2r_A, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
+                        cute.copy(s2r_B, tSsK[None, None, k + 1], tSrK_v[None, None, k + 1])
+                    cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+                # mask tokens past the end (only the request's last tile has any)
+                if (t + 1) * TILE_N > seqlen:
+                    for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                        if t * TILE_N + tScS_mn[0, c][1] >= seqlen:
+                            for r in cutlass.range_constexpr(n_rows):
+                                acc_S_mn[r, c] = -Float32.inf
+
+                # tile row max, across the four N warps
+                for r in cutlass.range_constexpr(n_rows):
+                    mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                    mx = self._quad_max(mx)
+                    if lane % 4 == 0:
+                        sMax[tScS_mn[r, 0][0], warp_n] = mx
+                cute.arch.sync_threads()
+                for r in cutlass.range_constexpr(n_rows):
+                    row = tScS_mn[r, 0][0]
+                    m_new = row_max[r]
+                    for w in cutlass.range_constexpr(self.nw):
+                        m_new = cute.arch.fmax(m_new, sMax[row, w])
+                    factor = cute.math.exp2((row_max[r] - m_new) * scale_log2, fastmath=True)
+                    p = cute.math.exp2(acc_S_mn[r, None].load() * scale_log2
+                                       - m_new * scale_log2, fastmath=True)
+                    row_sum[r] = row_sum[r] * factor + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+                    acc_S_mn[r, None] = p
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * factor
+                    row_max[r] = m_new
+                rP = cute.make_fragment_like(acc_S, cdt)
+                rP.store(acc_S.load().to(cdt))
+                cute.copy(r2s_P, thr_P.retile(rP), tPsP)
+                cute.arch.sync_threads()
+
+                # O += P V
+                n_kv = cute.size(tOsP.shape[2])
+                cute.copy(s2r_A, tOsP[None, None, 0], tOrP_v[None, None, 0])
+                cute.copy(s2r_Bt, tOsV[None, None, 0], tOrV_v[None, None, 0])
+                for k in cutlass.range_constexpr(n_kv):
+                    if cutlass.const_expr(k + 1 < n_kv):
+                        cute.copy(s2r_A, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
+                        cute.copy(s2r_Bt, tOsV[None, None, k + 1], tOrV_v[None, None, k + 1])
+                    cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+
+            cute.arch.cp_async_wait_group(0)
+
+            # ---- epilogue: total row sums across the N warps, normalize, LSE ----
+            for r in cutlass.range_constexpr(n_rows):
+                sm = self._quad_sum(row_sum[r])
+                if lane % 4 == 0:
+                    sSum[tScS_mn[r, 0][0], warp_n] = sm
+            cute.arch.sync_threads()
+            lse_r = cute.make_rmem_tensor((n_rows,), Float32)
+            for r in cutlass.range_constexpr(n_rows):
+                row = tScS_mn[r, 0][0]
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(self.nw):
+                    total = total + sSum[row, w]
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * (out_scale / total)
+                lse_r[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=False)) * LN_2
+
+            cO = cute.make_identity_tensor((hp, D_V))
+            tOcO = thr_mma.partition_C(cO)
+            if num_splits == 1:
+                gO = cute.local_tile(mO[b, None, None], (hp, D_V), (0, 0))
+                tOgO = thr_mma.partition_C(gO)
+                rO = cute.make_fragment_like(acc_O, BFloat16)
+                rO.store(acc_O.load().to(BFloat16))
+                for i in cutlass.range_constexpr(cute.size(rO)):
+                    if tOcO[i][0] < heads:
+                        tOgO[i] = rO[i]
+                if warp_n == 0 and lane % 4 == 0:
+                    for r in cutlass.range_constexpr(n_rows):
+                        row = tScS_mn[r, 0][0]
+                        if row < heads:
+                            mLse[b, row] = lse_r[r]
+            else:
+                gOp = cute.local_tile(mOp[split, b, None, None], (hp, D_V), (0, 0))
+                tOgOp = thr_mma.partition_C(gOp)
+                for i in cutlass.range_constexpr(cute.size(acc_O)):
+                    if tOcO[i][0] < heads:
+                        tOgOp[i] = acc_O[i]
+                if warp_n == 0 and lane % 4 == 0:
+                    for r in cutlass.range_constexpr(n_rows):
+                        row = tScS_mn[r, 0][0]
+                        if row < heads:
+                            mLsep[split, b, row] = lse_r[r]
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _load_tile(self, mKV: cute.Tensor, mBT: cute.Tensor, b: Int32, t: Int32, seqlen: Int32,
+                   copy_kv: cute.TiledCopy, thr_kv, tKVcKV: cute.Tensor, sStage: cute.Tensor):
+        """cp.async the 64-token tile t of request b (inside one page) into sStage."""
+        page = mBT[b, t // self.tiles_per_page]
+        # 64-bit page offset: a large pool holds more than 2^31 elements
+        page_elems = self.page_tokens * D_QK
+        off = cute.assume(cutlass.Int64(page) * page_elems, divby=page_elems)
+        mPage = cute.make_tensor(mKV.iterator + off, cute.make_layout(
+            (self.page_tokens, D_QK), stride=(D_QK, 1)))
+        gKV = cute.local_tile(mPage, (TILE_N, D_QK), (t % self.tiles_per_page, 0))
+        tKVg = thr_kv.partition_S(gKV)
+        tKVs = thr_kv.partition_D(sStage)
+        if (t + 1) * TILE_N <= seqlen:
+            cute.copy(copy_kv, tKVg, tKVs)
+        else:
+            # last, partial tile: rows past the request's end are zero (never NaN)
+            for n in cutlass.range_constexpr(cute.size(tKVs.shape[1])):
+                if t * TILE_N + tKVcKV[0, n, 0][0] < seqlen:
+                    cute.copy(copy_kv, tKVg[None, n, None], tKVs[None, n, None])
+                else:
+                    tKVs[None, n, None].fill(0)
+
+    def _mn_view(self, acc):
+        """((2,2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) row/column view."""
+        l = cute.make_layout(acc.layout.shape)
+        mn = cute.make_layout(
+            ((l.shape[0][1], l.shape[1]), (l.shape[0][0], l.shape[2])),
+            stride=((l.stride[0][1], l.stride[1]), (l.stride[0][0], l.stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+    @staticmethod
+    def _quad_max(v):
+        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31))
+        return cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31))
+
+    @staticmethod
+    def _quad_sum(v):
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31)
+        return v + cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31)
+
+
+class CombineKernel:
+    """out[b, h] = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max lse); lse = max + ln sum w.
+
+    One CTA per (head, request); 128 threads, 4 output columns each. The request's non-empty
+    splits are the first ceil(n_tiles / tiles_per_split) (the same split of tiles as the main
+    kernel), so empty ones are never read. LSEs and weights are reduced block-wide through
+    shared memory; the partial rows are then streamed with 4 loads in flight per thread."""
+
+    num_threads = D_V // 4
+    max_splits = 1024
+
+    @cute.jit
+    def __call__(self, op_ptr: cute.Pointer, lsep_ptr: cute.Pointer, o_ptr: cute.Pointer,
+                 lse_ptr: cute.Pointer, seq_ptr: cute.Pointer, batch: Int32, heads: Int32,
+                 num_splits: Int32, stream):
+        mOp = cute.make_tensor(op_ptr, cute.make_layout(
+            (num_splits, batch, heads, D_V),
+            stride=(cute.assume(batch * heads * D_V, divby=64),
+                    cute.assume(heads * D_V, divby=64), D_V, 1)))
+        mLsep = cute.make_tensor(lsep_ptr, cute.make_layout(
+            (num_splits, batch, heads), stride=(batch * heads, heads, 1)))
+        mO = cute.make_tensor(o_ptr, cute.make_layout(
+            (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
+        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
+        mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
+
+        @cute.struct
+        class SharedStorage:
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, self.max_splits], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[Float32, 8], 16]
+
+        self.kernel(mOp, mLsep, mO, mLse, mSeq, num_splits, SharedStorage).launch(
+            grid=(heads, batch, 1), block=(self.num_threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mOp: cute.Tensor, mLsep: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
+               mSeq: cute.Tensor, num_splits: Int32, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        h, b, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        wid = tidx // 32
+        nwarps = self.num_threads // 32
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sW = storage.sW.get_tensor(cute.make_layout((self.max_splits,)))
+        sRed = storage.sRed.get_tensor(cute.make_layout((8,)))
+
+        n_tiles = (mSeq[b] + (TILE_N - 1)) // TILE_N
+        tps = (n_tiles + num_splits - 1) // num_splits
+        n_valid = (n_tiles + tps - 1) // tps
+
+        # block max of the valid LSEs
+        m = -Float32.inf
+        for s in cutlass.range(tidx, n_valid, self.num_threads, unroll=1):
+            l = mLsep[s, b, h]
+            sW[s] = l
+            m = cute.arch.fmax(m, l)
+        for off in cutlass.range_constexpr(5):
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> off))
+        if lane == 0:
+            sRed[wid] = m
+        cute.arch.sync_threads()
+        m = sRed[0]
+        for w in cutlass.range_constexpr(1, nwarps):
+            m = cute.arch.fmax(m, sRed[w])
+        # weights and their block sum
+        den = Float32(0.0)
+        for s in cutlass.range(tidx, n_valid, self.num_threads, unroll=1):
+            w_s = cute.math.exp2((sW[s] - m) * LOG2_E, fastmath=False)
+            sW[s] = w_s
+            den = den + w_s
+        for off in cutlass.range_constexpr(5):
+            den = den + cute.arch.shuffle_sync_bfly(den, offset=16 >> off)
+        cute.arch.sync_threads()
+        if lane == 0:
+            sRed[4 + wid] = den
+        cute.arch.sync_threads()
+        den = sRed[4]
+        for w in cutlass.range_constexpr(1, nwarps):
+            den = den + sRed[4 + w]
+
+        acc = cute.make_rmem_tensor((4,), Float32)
+        acc.fill(0.0)
+        for s in cutlass.range(n_valid, unroll=4):
+            part = cute.local_tile(mOp[s, b, h, None], (4,), (tidx,))
+            acc.store(acc.load() + part.load() * sW[s])
+        inv = Float32(1.0) / den
+        gO = cute.local_tile(mO[b, h, None], (4,), (tidx,))
+        gO.store((acc.load() * inv).to(BFloat16))
+        if tidx == 0:
+            mLse[b, h] = m + cute.math.log2(den, fastmath=False) * LN_2
+
+
+# ================================================================================================
+# Host side: compile cache, split choice, launch
+# ================================================================================================
+_COMPILED: dict = {}
+NUM_SMS_H200 = 132
+
+
+def _fake_args_main(k: MlaDecodeKernel):
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.runtime import make_fake_stream
+    G = cute.AddressSpace.gmem
+    P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
+    return (P(BFloat16), P(k.kv_dtype), P(Int32), P(Int32), P(BFloat16), P(Float32), P(Float32),
+            P(Float32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1), Float32(1.0),
+            Float32(1.0), make_fake_stream())
+
+
+# fp8 cache: widen to bf16 MMA operands (default; no range caveat) or, with True, to fp16 (one
+# conversion per pair instead of four; Q rounded to fp16, needs |q| < 65504). Measured on the
+# H200: same time at H=32, fp16 ~9% faster at H=12, B=64 (the per-tile MMA/softmax chain, not the
+# conversion, is the limit). Both pass the GPU tests.
+FP8_F16 = False
+
+
+def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None):
+    """Compiled split-KV attention kernel for one variant (cached for the process)."""
+    fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
+    key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens)) + ((fp8_f16,) if kv_fp8 else ())
+    if key not in _COMPILED:
+        k = MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16)
+        _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
+    return _COMPILED[key][1]
+
+
+def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None):
+    """The MlaDecodeKernel object (stages, threads, dtypes) behind compile_main's variant."""
+    fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
+    return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16)
+
+
+def compile_combine():
+    """Compiled LSE combine kernel (cached for the process)."""
+    key = ("combine",)
+    if key not in _COMPILED:
+        from cutlass.cute.runtime import make_ptr
+        from cutlass.runtime import make_fake_stream
+        G = cute.AddressSpace.gmem
+        P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
+        k = CombineKernel()
+        _COMPILED[key] = (k, cute.compile(k, P(Float32), P(Float32), P(BFloat16), P(Float32),
+                                          P(Int32), Int32(1), Int32(1), Int32(2),
+                                          make_fake_stream()))
+    return _COMPILED[key][1]
+
+
+def h_pad_for(heads: int) -> int:
+    return 16 if heads <= 16 else 32
+
+
+def choose_num_splits(batch: int, max_seq_len: int, heads: int, num_sms: int = NUM_SMS_H200) -> int:
+    """KV splits per request: one wave of CTAs (one 190-220 KB CTA per SM), at least two tiles
+    per split. Fitted to the H200 sweep in benchmarks/results/mla_decode_h200.json (H=32):
+    B=1 L=8K 64 splits 19.4 us (128: 25.2, 32: 20.8); B=1 L=32K 128: 33.9 (64: 35.7);
+    B=8 L=8K / 32K 16 splits best (34.8 / 103 us; 32: 46 / 114). `heads` is unused so far."""
+    tiles = max(1, -(-int(max_seq_len) // TILE_N))
+    return max(1, min(num_sms // max(1, batch), -(-tiles // 2), CombineKernel.max_splits))
+
+
+def mla_decode_cutedsl(
+    q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
+    num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
+    fp8_f16: bool | None = None, **_ignored,
+):
+    """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
+    block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
+    lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
+    split count is derived from seq_lens.max(), a host sync."""
+    import torch
+    import cuda.bindings.driver as cuda_drv
+    from cutlass.cute.runtime import make_ptr
+
+    B, H, D = q.shape
+    assert D == D_QK and q.dtype == torch.bfloat16 and q.is_contiguous()
+    assert kv_cache.is_contiguous() and kv_cache.shape[-1] == D_QK
+    assert block_table.dtype == torch.int32 and block_table.is_contiguous()
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    assert fp8 or kv_cache.dtype == torch.bfloat16
+    hp = h_pad_for(H)
+    num_pages, page_tokens, _ = kv_cache.shape
+    if num_splits is None:
+        msl = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max().item())
+        num_splits = choose_num_splits(B, msl, H)
+    assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
+    kscale = 1.0 if kv_scale is None else float(kv_scale)
+    dev = q.device
+    if out is None:
+        out = torch.empty(B, H, D_V, dtype=torch.bfloat16, device=dev)
+    if lse is None:
+        lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    if num_splits > 1:
+        o_part = torch.empty(num_splits, B, H, D_V, dtype=torch.float32, device=dev)
+        lse_part = torch.empty(num_splits, B, H, dtype=torch.float32, device=dev)
+    else:
+        o_part, lse_part = lse, lse          # never touched with one split
+    for t in (q, kv_cache, out, o_part):
+        assert t.data_ptr() % 16 == 0, "16-byte aligned tensors required"
+
+    main = compile_main(fp8, hp, page_tokens, fp8_f16)
+    G = cute.AddressSpace.gmem
+    P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
+    stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    kv_dt = cutlass.Float8E4M3FN if fp8 else BFloat16
+    main(P(BFloat16, q), P(kv_dt, kv_cache), P(Int32, block_table), P(Int32, seq_lens),
+         P(BFloat16, out), P(Float32, lse), P(Float32, o_part), P(Float32, lse_part),
+         Int32(B), Int32(H), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
+         Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
+    if num_splits > 1:
+        comb = compile_combine()
+        comb(P(Float32, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
+             P(Int32, seq_lens), Int32(B), Int32(H), Int32(num_splits), stream)
+    return out, lse

@@ -1,0 +1,137 @@
+"""CuTe DSL MLA decode vs the float64 torch reference on the GPU (H200, sm_90a).
+
+Fresh random inputs each run; outputs and LSE are NaN-poisoned before the kernel, and the
+padding page and every cache row past a request's end are NaN too, so unwritten outputs or
+reads past the end show up as NaN.
+"""
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SCALE = 192 ** -0.5
+PAGE = 64
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def make_case(lens, H, fp8, page_tokens=PAGE, seed=None):
+    dev = "cuda"
+    g = torch.Generator(device=dev)
+    g.manual_seed(int(torch.randint(0, 2**31, (1,))) if seed is None else seed)
+    B = len(lens)
+    n_pages = [(l + page_tokens - 1) // page_tokens for l in lens]
+    num_pages = 1 + sum(n_pages) + 2
+    max_pages = max(n_pages) + 1
+    cache = torch.randn(num_pages, page_tokens, 576, device=dev, generator=g)
+    kv_scale = None
+    if fp8:
+        kv_scale = 0.05
+        cache = (cache * 2.0 / kv_scale).clamp(-440, 440).to(torch.float8_e4m3fn)
+    else:
+        cache = cache.to(torch.bfloat16)
+    raw = cache.view(torch.uint8)                       # NaN bytes: 0x7F (e4m3fn), 0x7FC0 (bf16)
+    nan = torch.tensor([0x7F] if fp8 else [0xC0, 0x7F], dtype=torch.uint8, device=dev)
+    perm = torch.randperm(num_pages - 1, device=dev, generator=g) + 1    # page 0 = padding
+    bt = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
+    k = 0
+    for b, (l, n) in enumerate(zip(lens, n_pages)):
+        bt[b, :n] = perm[k:k + n].to(torch.int32)
+        k += n
+        tail = l - (n - 1) * page_tokens
+        raw[bt[b, n - 1], tail:] = nan.repeat(raw.shape[-1] // nan.numel())  # past the end
+    raw[0] = nan.repeat(raw.shape[-1] // nan.numel())                      # padding page
+    q = torch.randn(B, H, 576, device=dev, generator=g).to(torch.bfloat16)
+    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, cache, bt, seq, kv_scale
+
+
+def check(lens, H, fp8, **kw):
+    from pdserve.kernels.mla_decode import mla_decode_reference
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    q, cache, bt, seq, kv_scale = make_case(lens, H, fp8)
+    B = len(lens)
+    out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((B, H), float("nan"), dtype=torch.float32, device="cuda")
+    o, l = mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    assert o is out and l is lse
+    ref_o, ref_l = mla_decode_reference(q, cache, bt, seq, SCALE, kv_scale,
+                                        compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert not torch.isnan(out).any(), f"NaN in output ({torch.isnan(out).sum()} elements)"
+    assert not torch.isnan(lse).any(), "NaN in lse"
+    err = (out.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
+    assert err.max() < 1.5e-2, f"max per-request relative error {err.max():.3g} (b={err.argmax()})"
+    lerr = (lse.double() - ref_l.double()).abs().max()
+    assert lerr < 5e-3, f"lse max abs error {lerr:.3g}"
+    return float(err.max()), float(lerr)
+
+
+LENS = {
+    "B1_short": [1], "B1_63": [63], "B1_64": [64], "B1_65": [65], "B1_1000": [1000],
+    "B1_8K+17": [8192 + 17], "B1_128K": [131072], "B1_128K-1": [131071],
+    "B8_mixed": [1, 2, 63, 64, 65, 129, 4097, 40000],
+    "B64_mixed": None,   # filled below
+}
+
+
+def _b64_lens():
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, 20000, (64,), generator=g).tolist()
+    lens[0], lens[1], lens[2], lens[3] = 1, 64, 131072 - 5, 32768
+    return lens
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("H", [12, 32])
+@pytest.mark.parametrize("case", list(LENS))
+def test_matches_reference(case, H, fp8):
+    lens = LENS[case] or _b64_lens()
+    check(lens, H, fp8)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_f16mma"])
+@pytest.mark.parametrize("num_splits", [1, 3, 64, 300])
+def test_forced_splits(num_splits, variant):
+    """Both epilogues (direct and partial + combine), many empty splits; the fp8 cache also
+    through fp16 MMA operands (the alternative to the default bf16 widening)."""
+    kw = {"fp8_f16": True} if variant == "fp8_f16mma" else {}
+    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, variant != "bf16", num_splits=num_splits, **kw)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+def test_cuda_graph_replay_matches_eager():
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    q, cache, bt, seq, kv_scale = make_case([100, 5000, 70000, 1], 32, False)
+    o1, l1 = mla_decode_cutedsl(q, cache, bt, seq, SCALE, num_splits=16)
+    out = torch.empty_like(o1)
+    lse = torch.empty_like(l1)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        mla_decode_cutedsl(q, cache, bt, seq, SCALE, num_splits=16, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_decode_cutedsl(q, cache, bt, seq, SCALE, num_splits=16, out=out, lse=lse)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, o1) and torch.equal(lse, l1)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+def test_registry_resolves_cutedsl_on_h200():
+    from pdserve.kernels import registry
+    from pdserve.kernels.mla_decode import problem_from_tensors
+    q, cache, bt, seq, _ = make_case([10], 12, False)
+    res = registry.resolve("mla_decode", "cutedsl", problem_from_tensors(q, cache))
+    assert res.backend == "cutedsl", res.fallback_reason
