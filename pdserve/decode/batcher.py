@@ -49,12 +49,19 @@ class StepEngine(Protocol):
 class _Job:
     request: Any
     request_id: str
-    emit: Any                       # callable(TokenEvent), thread-safe
+    sink: Any                       # callable(TokenEvent), thread-safe
     deadline: float | None
     seq: Any = None
     sent: int = 0
     cancelled: bool = False
     done: bool = field(default=False)
+
+    def emit(self, ev: TokenEvent) -> None:
+        """Deliver an event; a consumer that is gone (closed loop) cancels the request."""
+        try:
+            self.sink(ev)
+        except Exception:
+            self.cancelled = True
 
 
 class Batcher:

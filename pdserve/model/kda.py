@@ -51,16 +51,29 @@ class KDAAttention(nn.Module):
         """[3*H_local*D, W], packed [q | k | v] like the conv state's channels."""
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SlotPool,
-                layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SlotPool, layer: int,
+                kda_step=None) -> torch.Tensor:
+        """`kda_step`: an optional fused decode-step op (the decode runtime's backend dispatch,
+        signature of `pdserve.kernels.kda_decode`); it returns None to decline a step."""
         T, H, D = x.shape[0], self.heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float()
-        f = self.f_b_proj(self.f_a_proj(x)).float().view(T, H, D)
-        g = kda_ops.kda_log_decay(f, self.A_log.view(H), self.dt_bias.view(H, D),
-                                  self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        f_raw = self.f_b_proj(self.f_a_proj(x))
+        beta_raw = self.b_proj(x)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         conv_w = self.conv_weight()
+        if kda_step is not None and all(s.length == 1 for s in batch.seqs):
+            slots = torch.tensor([s.table.kda_slot for s in batch.seqs], dtype=torch.int32,
+                                 device=x.device)
+            out = kda_step(q, k, v, gate, f_raw, beta_raw, conv_w, self.A_log.view(H),
+                           self.dt_bias, self.o_norm.weight, self.eps, self.lower_bound,
+                           pool.recurrent[layer], pool.conv[layer], slots, pool.layout)
+            if out is not None:
+                return self.o_proj(out.to(x.dtype))
+        qkv = torch.cat([q, k, v], dim=-1).float()
+        f = f_raw.float().view(T, H, D)
+        g = kda_ops.kda_log_decay(f, self.A_log.view(H), self.dt_bias.view(H, D),
+                                  self.lower_bound)
+        beta = torch.sigmoid(beta_raw.float())
 
         o = torch.empty(T, H, D, dtype=torch.float32, device=x.device)
         for seq in batch.seqs:

@@ -35,9 +35,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x, batch, pools: StatePools, cache_index: int) -> torch.Tensor:
-        pool = pools.slots if self.is_kda else pools.latent
-        x = x + self.self_attn(self.input_layernorm(x), batch, pool, cache_index)
+    def forward(self, x, batch, pools: StatePools, cache_index: int, kda_step=None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_kda:
+            x = x + self.self_attn(h, batch, pools.slots, cache_index, kda_step)
+        else:
+            x = x + self.self_attn(h, batch, pools.latent, cache_index)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         return x + ffn(self.post_attention_layernorm(x))
 
@@ -93,16 +96,17 @@ class HybridModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, pools: StatePools,
-                logit_rows: list[int] | None = None) -> torch.Tensor:
+                logit_rows: list[int] | None = None, kda_step=None) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(logit_rows), vocab] (default: every row).
 
         Cached state is read from and written to `pools` for every sequence of `batch`; the
-        caller advances each `table.num_tokens` afterwards."""
+        caller advances each `table.num_tokens` afterwards. `kda_step` is an optional fused KDA
+        decode op used by every KDA layer on decode-only steps (see KDAAttention)."""
         if token_ids.shape[0] != batch.num_rows:
             raise ValueError(f"{token_ids.shape[0]} token ids for a batch of {batch.num_rows} rows")
         x = self.model.embed_tokens(token_ids)
         for layer, idx in zip(self.model.layers, self.cache_index):
-            x = layer(x, batch, pools, idx)
+            x = layer(x, batch, pools, idx, kda_step)
         if logit_rows is not None:
             x = x[logit_rows]
         x = self.model.norm(x)

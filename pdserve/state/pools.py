@@ -87,6 +87,10 @@ class LatentPool:
     def num_used(self) -> int:
         return self._ids.num_used
 
+    @property
+    def capacity(self) -> int:
+        return self._ids.capacity
+
     # access (layer = index among MLA layers)
     def _rows(self, pages: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + count)
@@ -144,6 +148,10 @@ class SlotPool:
     @property
     def num_used(self) -> int:
         return self._ids.num_used
+
+    @property
+    def capacity(self) -> int:
+        return self._ids.capacity
 
     def reset(self, slots: list[int]) -> None:
         idx = torch.tensor(slots, dtype=torch.long, device=self.recurrent.device)

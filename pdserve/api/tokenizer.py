@@ -1,0 +1,199 @@
+"""Text <-> token ids for the API: prompts, chat templates, and streamed text with stop strings.
+
+Two tokenizers share one small interface (`encode`, `decode`, `chat_prompt`, `vocab_size`,
+`stop_token_ids`): the byte-level one of the `tiny` preset, and a Hugging Face `tokenizer.json`
+loaded with the `tokenizers` package (no transformers). Stopping on the model's EOS is the
+engine's job (it reads `eos_token_id` from the model config); `stop_token_ids` adds the
+tokenizer's own end tokens (e.g. a chat template's end-of-turn) when it declares them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from pdserve.model.tokenizer import ByteTokenizer
+
+log = logging.getLogger("pdserve.api")
+
+Message = tuple[str, str]  # (role, content)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int            # the model's vocabulary: valid prompt ids are below it
+    stop_token_ids: list[int]  # end tokens beyond the model config's eos_token_id
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def chat_prompt(self, messages: list[Message]) -> list[int]: ...
+
+
+def simple_chat_template(messages: list[Message]) -> str:
+    """The documented template for models without one: "<|role|>\\ncontent\\n" per message,
+    then "<|assistant|>\\n" to prompt the reply."""
+    return "".join(f"<|{role}|>\n{content}\n" for role, content in messages) + "<|assistant|>\n"
+
+
+class ByteLevelTokenizer:
+    """One token per UTF-8 byte (the `tiny` preset's 256-token vocabulary)."""
+
+    vocab_size = ByteTokenizer.vocab_size
+    stop_token_ids: list[int] = []
+
+    def __init__(self) -> None:
+        self._bytes = ByteTokenizer()
+
+    def encode(self, text: str) -> list[int]:
+        return self._bytes.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._bytes.decode(ids)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        return self.encode(simple_chat_template(messages))
+
+
+class HFTokenizer:
+    """`tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json` when present)."""
+
+    def __init__(self, directory: Path, vocab_size: int):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tok = _Tokenizer.from_file(str(directory / "tokenizer.json"))
+        if self._tok.get_vocab_size() > vocab_size:
+            raise ValueError(f"{directory}/tokenizer.json has {self._tok.get_vocab_size()} tokens; "
+                             f"the model's vocab_size is only {vocab_size}")
+        self.vocab_size = vocab_size
+        config = _read_json(directory / "tokenizer_config.json")
+        self._bos = _token_text(config.get("bos_token"))
+        self._eos = _token_text(config.get("eos_token"))
+        self._template = _chat_template(config.get("chat_template"))
+        if self._template is None:
+            log.warning("%s has no chat_template; chat requests use the simple template "
+                        "(<|role|>\\ncontent\\n ... <|assistant|>\\n)", directory)
+        stops = set()
+        if self._eos is not None and (eos := self._tok.token_to_id(self._eos)) is not None:
+            stops.add(eos)
+        gen_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
+        stops.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        self.stop_token_ids = sorted(stops)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        if self._template is None:
+            return self.encode(simple_chat_template(messages))
+        from jinja2.exceptions import TemplateError
+
+        try:
+            text = self._template.render(
+                messages=[{"role": r, "content": c} for r, c in messages],
+                add_generation_prompt=True, bos_token=self._bos or "", eos_token=self._eos or "")
+        except TemplateError as exc:
+            raise ValueError(f"the chat template refused them: {exc}") from None
+        # The template writes the special tokens itself.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(token) -> str | None:
+    # tokenizer_config.json spells special tokens as a string or as {"content": ...}
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_template(template):
+    """Compile the HF chat template in a sandbox (templates come with downloaded models)."""
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+        return None
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def load_tokenizer(model_spec: str, vocab_size: int) -> Tokenizer:
+    """The tokenizer of a model: `tokenizer.json` in its directory, else byte-level when the
+    vocabulary is the 256 bytes; anything else is an error naming what is missing."""
+    directory = Path(model_spec)
+    if directory.is_file():
+        directory = directory.parent
+    if (directory / "tokenizer.json").exists():
+        return HFTokenizer(directory, vocab_size)
+    if vocab_size == ByteLevelTokenizer.vocab_size:
+        return ByteLevelTokenizer()
+    raise ValueError(f"model {model_spec!r} has a {vocab_size}-token vocabulary and no "
+                     f"tokenizer.json; give a model directory that contains one")
+
+
+class TextStream:
+    """Turns a request's output tokens into text deltas for streaming, honouring stop strings.
+
+    Decodes a window of recent tokens (the prefix/read offsets of HF text-generation-inference)
+    and only emits text once it no longer ends in U+FFFD, so a character split over several
+    tokens (a multi-byte UTF-8 char in the byte vocabulary) streams whole. Text that could still
+    grow into a stop string is held back; once a stop string appears, the text is cut before it
+    and `stopped` is set."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+        self._tok = tokenizer
+        self._stops = list(stops)
+        self._ids: list[int] = []
+        self._prefix = self._read = 0  # token offsets of the decode window
+        self._text = ""                # decoded text (whole characters) so far
+        self._sent = 0                 # characters of it already returned
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one output token; returns the text that is now safe to emit (maybe "")."""
+        if self.stopped:
+            return ""
+        self._ids.append(token)
+        self._decode(final=False)
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        """The rest of the text at the end of the request."""
+        if not self.stopped:
+            self._decode(final=True)
+        return self._take(final=True)
+
+    def _decode(self, final: bool) -> None:
+        before = self._tok.decode(self._ids[self._prefix:self._read])
+        now = self._tok.decode(self._ids[self._prefix:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self._text += now[len(before):]
+            self._prefix, self._read = self._read, len(self._ids)
+
+    def _take(self, final: bool) -> str:
+        # A stop string cannot start before _sent: whatever could still begin one was held back.
+        hits = [i for s in self._stops if (i := self._text.find(s, self._sent)) >= 0]
+        if hits:
+            self._text = self._text[:min(hits)]
+            self.stopped = final = True
+        end = len(self._text) if final else len(self._text) - self._held()
+        out, self._sent = self._text[self._sent:end], end
+        return out
+
+    def _held(self) -> int:
+        """Length of the longest unsent suffix that is the start of some stop string."""
+        longest = max((len(s) for s in self._stops), default=1)
+        for k in range(min(len(self._text) - self._sent, longest - 1), 0, -1):
+            tail = self._text[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0

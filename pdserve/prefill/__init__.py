@@ -1,0 +1,1 @@
+"""Prefill engines behind one interface: `reference` (torch) now, `vllm` (stock vLLM) later."""

@@ -1,0 +1,112 @@
+"""The prefill interface and the `reference` engine.
+
+A prefill instance is TP = p `PrefillRank`s driven in lockstep by its owner (a Ray actor per rank
+in a cluster, plain calls with p = 1). Each rank prefills the batch on its shard, samples the
+first token (every rank gets the same full-vocabulary logits), and leaves the state in its pools
+under a lease; `StateHandle`s describe it for the decode side. The shape follows vLLM's connector
+hooks: `prefill` ~ request_finished (delay the free, describe the blocks), `poll` ~ the
+notification/lease handling of get_finished, `cancel` ~ abort.
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from pdserve.model.generate import ReferenceEngine, Sequence, build_model
+from pdserve.model.parallel import TPGroup
+from pdserve.model.sampling import Request
+from pdserve.state.block_table import Topology
+from pdserve.state.layout import StateLayout
+from pdserve.state.manifest import build_manifest
+from pdserve.transfer.nixl_agent import AgentInfo, RankAgent
+from pdserve.transfer.regions import RegionTable
+from pdserve.transfer.source import SourceRank
+
+from pdserve.prefill.handle import StateHandle
+
+
+class PrefillResult(msgspec.Struct, frozen=True):
+    request_id: str
+    handle: StateHandle | None = None
+    error: str | None = None
+
+
+class PrefillRank:
+    """One TP rank of a `reference` prefill instance."""
+
+    def __init__(self, instance: str, rank: int, generation: int, config, tp: TPGroup | None = None,
+                 layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
+                 seed: int = 0, checkpoint: str | None = None, lease_s: float = 30.0,
+                 device: str = "cpu"):
+        self.instance, self.rank, self.generation, self.lease_s = instance, rank, generation, lease_s
+        tp = tp or TPGroup()
+        model = build_model(config, tp, seed=seed, checkpoint=checkpoint)
+        self.engine = ReferenceEngine(model.to(device), layout, num_pages, num_slots)
+        self.topology = Topology(tp=tp.size)
+        self.source = SourceRank(RankAgent(instance, rank, generation,
+                                           RegionTable.of_pools(self.engine.pools), device),
+                                 release=self._release)
+        self.seqs: dict[str, Sequence] = {}
+
+    def info(self) -> AgentInfo:
+        return self.source.agent.info()
+
+    def connect(self, infos: list[AgentInfo]) -> None:
+        for info in infos:
+            self.source.agent.connect(info)
+
+    def prefill(self, requests: list[Request], agents: list[AgentInfo]) -> list[PrefillResult]:
+        """Prefill `requests` together; `agents` are this instance's rank agents (for handles).
+        A request that cannot be admitted gets an error result; the others proceed."""
+        admitted, results = [], {}
+        for req in requests:
+            one_token = msgspec.structs.replace(req.params, max_tokens=1)
+            try:
+                admitted.append(self.engine.admit(Request(req.request_id, req.prompt, one_token)))
+            except Exception as exc:
+                results[req.request_id] = PrefillResult(req.request_id, error=f"{type(exc).__name__}: {exc}")
+        if admitted:
+            self.engine.prefill(admitted)
+        for seq, req in zip(admitted, [r for r in requests if r.request_id not in results]):
+            self.seqs[seq.request_id] = seq
+            deadline = self.source.hold(seq.request_id, self.lease_s)
+            manifest = build_manifest(seq.request_id, self.engine.config, self.engine.shapes,
+                                      self.engine.layout, seq.table, self.topology)
+            first = seq.output[0]
+            stopped = "stop" if seq.finish_reason == "stop" else (
+                "length" if req.params.max_tokens <= 1 else None)
+            params = msgspec.structs.replace(req.params, seed=seq.params.seed)
+            results[seq.request_id] = PrefillResult(seq.request_id, StateHandle(
+                seq.request_id, self.instance, self.generation, agents, manifest, first, params,
+                len(seq.prompt), time.time() + (deadline - time.monotonic()), stopped))
+            if stopped:  # nothing to transfer: the request ended with its first token
+                self.source.cancel(seq.request_id)
+        return [results[r.request_id] for r in requests]
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Free state that every destination rank has read, or whose lease expired."""
+        return self.source.poll()
+
+    def digests(self, request_id: str, runs) -> list[int]:
+        return self.source.digests(request_id, runs)
+
+    def renew(self, request_id: str, lease_s: float) -> float:
+        return self.source.renew(request_id, lease_s)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.source.cancel(request_id)
+
+    def stats(self) -> dict:
+        pools = self.engine.pools
+        return {"held": len(self.seqs), "pages_free": pools.latent.num_free,
+                "slots_free": pools.slots.num_free, "pages_total": pools.latent.capacity,
+                "slots_total": pools.slots.capacity}
+
+    def close(self) -> None:
+        self.source.agent.close()
+
+    def _release(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.engine.release(seq)

@@ -1,0 +1,162 @@
+"""Reference prefill -> NIXL transfer -> decode runtime equals the monolithic generate loop
+(in-process ranks, TP 1 -> 1); continuous batching, cancel and pool exhaustion."""
+import asyncio
+import time
+
+import pytest
+
+from pdserve.decode.batcher import Batcher
+from pdserve.decode.instance import DecodeInstance, LocalRanks
+from pdserve.decode.rank import DecodeRank
+from pdserve.model.config import preset, reduced_kimi_linear
+from pdserve.model.generate import ReferenceEngine, build_model
+from pdserve.model.sampling import Request, SamplingParams
+from pdserve.prefill.engine import PrefillRank
+from pdserve.state.layout import StateLayout
+from pdserve.state.pools import PoolExhausted
+
+LAYOUT = StateLayout(latent_dtype="float32", conv_dtype="float32")
+PROMPTS = [list(b"Disaggregated prefill"), list(b"x"), list(b"hybrid KDA + MLA state moves over NIXL")]
+PARAMS = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=6, temperature=0.9, seed=4),
+          SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, top_k=40, seed=9)]
+
+
+class Pair:
+    """One prefill rank and one decode rank (TP 1 each) with their own NIXL agents."""
+
+    def __init__(self, config, tag, decode_pages=128, decode_slots=8, verify=True):
+        from pdserve.transfer.dest import TransferConfig
+        self.prefill = PrefillRank(f"prefill{tag}", 0, 0, config, layout=LAYOUT, seed=5)
+        self.rank = DecodeRank(f"decode{tag}", 0, config, layout=LAYOUT, seed=5,
+                               num_pages=decode_pages, num_slots=decode_slots,
+                               transfer=TransferConfig(verify=verify))
+        self.prefill.connect([self.rank.info()])
+        digests = lambda h, s, runs: self.prefill.digests(h.request_id, runs)
+        eos = ReferenceEngine(self.prefill.engine.model).eos
+        self.decode = DecodeInstance(f"decode{tag}", LocalRanks([self.rank]), LAYOUT, eos,
+                                     digests=digests if verify else None)
+
+    def handles(self, prompts, params, ids=None):
+        ids = ids or [f"r{i}" for i in range(len(prompts))]
+        reqs = [Request(i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        results = self.prefill.prefill(reqs, [self.prefill.info()])
+        assert all(r.error is None for r in results), results
+        return [r.handle for r in results]
+
+    def drain(self, timeout=5.0):
+        end = time.monotonic() + timeout
+        while self.prefill.seqs and time.monotonic() < end:
+            self.prefill.poll()
+            time.sleep(0.005)
+
+    def close(self):
+        self.rank.close()
+        self.prefill.close()
+
+
+def monolithic(config, prompts, params):
+    eng = ReferenceEngine(build_model(config, seed=5), LAYOUT)
+    return [s.output for s in eng.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "kimi-linear-reduced"])
+def test_disaggregated_tokens_equal_monolithic(name):
+    config = preset("tiny") if name == "tiny" else reduced_kimi_linear(4, 4, 2, vocab_size=512)
+    prompts = PROMPTS if name == "tiny" else [[t % 512 for t in p] for p in PROMPTS]
+    want = monolithic(config, prompts, PARAMS)
+    pair = Pair(config, f"-eq-{name}")
+    try:
+        seqs = [pair.decode.admit(h) for h in pair.handles(prompts, PARAMS)]
+        pair.drain()
+        assert not pair.prefill.seqs, "source state not freed after the transfer"
+        assert pair.prefill.engine.pools.empty
+        while running := [s for s in seqs if not s.finished]:
+            pair.decode.decode(running)
+        assert [s.output for s in seqs] == want
+        for s in seqs:
+            pair.decode.release(s)
+        assert pair.rank.pools.empty
+    finally:
+        pair.close()
+
+
+async def _collect(batcher, handle, delay=0.0, cancel_after=None, hold=None):
+    await asyncio.sleep(delay)
+    tokens = []
+    async for ev in batcher.stream(handle, handle.request_id, deadline_s=60):
+        if ev.token is not None:
+            tokens.append(ev.token)
+        if cancel_after is not None and len(tokens) >= cancel_after:
+            if hold is not None:
+                await hold.wait()  # keep the request running until told to let go
+            break
+        if ev.finish_reason:
+            assert ev.error is None, ev.error
+    return tokens
+
+
+def test_requests_joining_and_leaving_a_running_batch_keep_their_tokens():
+    config = preset("tiny")
+    prompts = PROMPTS * 2
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=i) for i, (n, t) in
+              enumerate([(12, 0), (3, 0.8), (9, 0), (5, 1.0), (14, 0.5), (2, 0)])]
+    alone = [monolithic(config, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    pair = Pair(config, "-batch", verify=False)
+    batcher = Batcher(pair.decode, max_batch=4)
+    try:
+        handles = pair.handles(prompts, params)
+
+        async def main():
+            return await asyncio.gather(*[_collect(batcher, h, delay=0.01 * i)
+                                          for i, h in enumerate(handles)])
+        got = asyncio.run(main())
+        assert got == alone
+        assert batcher.steps > 0
+        assert pair.rank.pools.empty
+    finally:
+        batcher.shutdown()
+        pair.close()
+
+
+def test_cancel_mid_generation_returns_pools_to_start_and_exhaustion_is_clean():
+    config = preset("tiny")
+    pair = Pair(config, "-cancel", decode_pages=4, decode_slots=3, verify=False)
+    batcher = Batcher(pair.decode, max_batch=8)
+    try:
+        start = (pair.rank.pools.latent.num_free, pair.rank.pools.slots.num_free)
+        big = SamplingParams(max_tokens=100)
+        handles = pair.handles([list(b"a" * 60), list(b"b" * 60), list(b"c" * 10)],
+                               [big, big, SamplingParams(max_tokens=5)])
+
+        async def main():
+            # the first takes 3 of 3 pages; the second cannot fit -> a clear error event
+            hold = asyncio.Event()
+            first = asyncio.create_task(_collect(batcher, handles[0], cancel_after=4, hold=hold))
+            while batcher.running == 0:
+                await asyncio.sleep(0.01)
+            events = [ev async for ev in batcher.stream(handles[1], handles[1].request_id)]
+            hold.set()
+            tokens = await first
+            return tokens, events
+        tokens, events = asyncio.run(main())
+        assert len(tokens) == 4
+        assert events[-1].finish_reason == "error" and "no room for request r1" in events[-1].error
+        deadline = time.monotonic() + 5
+        while (pair.rank.pools.latent.num_free, pair.rank.pools.slots.num_free) != start:
+            assert time.monotonic() < deadline, "cancel did not free the decode pools"
+            time.sleep(0.01)
+        # capacity is back: the third request runs to completion
+        async def third():
+            return await _collect(batcher, handles[2])
+        assert asyncio.run(third()) == monolithic(config, [list(b"c" * 10)], [SamplingParams(max_tokens=5)])[0]
+    finally:
+        batcher.shutdown()
+        pair.close()
+
+
+def test_decode_refuses_dcp_and_impossible_topologies_clearly():
+    from pdserve.decode.instance import DecodeInstance
+    from pdserve.state.block_table import Topology
+    with pytest.raises(ValueError, match="DCP > 1 is not supported"):
+        DecodeInstance("d", LocalRanks([object()]), LAYOUT, set(), Topology(1, 1)) and \
+            DecodeInstance("d", type("G", (), {"size": 2})(), LAYOUT, set(), Topology(2, 2))
