@@ -69,6 +69,67 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _serve_config(args):
+    import msgspec
+
+    from pdserve.cluster.config import describe, load_serve_config
+
+    cfg, model = load_serve_config(args.config)
+    api = cfg.api
+    if args.port is not None or args.host is not None:
+        api = msgspec.structs.replace(api, port=api.port if args.port is None else args.port,
+                                      host=api.host if args.host is None else args.host)
+        cfg = msgspec.structs.replace(cfg, api=api)
+    print(describe(cfg, model), flush=True)
+    return cfg, model
+
+
+def cmd_check(args) -> int:
+    _serve_config(args)
+    print("config OK")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from pdserve.cluster.serve import running_server
+
+    cfg, model = _serve_config(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with running_server(cfg, model, args.address, progress=lambda m: print(m, flush=True)) as (url, router):
+        print(f"pdserve: serving {cfg.model.name} at {url}/v1 (OpenAI API; /health, /metrics). "
+              "Ctrl-C to stop.", flush=True)
+        while not stop.wait(0.5):
+            if args.max_seconds and time.monotonic() - t_start(args) > args.max_seconds:
+                break
+        print("pdserve: shutting down ...", flush=True)
+    print("pdserve: stopped", flush=True)
+    return 0
+
+
+def t_start(args, _t=[None]):
+    if _t[0] is None:
+        _t[0] = time.monotonic()
+    return _t[0]
+
+
+def cmd_demo(args) -> int:
+    import socket
+
+    from pdserve.cluster.demo import run_demo
+
+    if args.port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = s.getsockname()[1]
+    cfg, model = _serve_config(args)
+    return run_demo(cfg, model, args.requests, args.max_tokens, args.address)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,13 +149,35 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--out", required=True, help="output directory")
     e.set_defaults(func=cmd_export)
 
+    for name, helptext, func in (
+            ("serve", "start the disaggregated cluster on Ray and serve the OpenAI API", cmd_serve),
+            ("demo", "start the default cluster, stream a few requests, print a summary, exit", cmd_demo),
+            ("check", "validate a cluster config and print its topology and capacity", cmd_check)):
+        c = sub.add_parser(name, help=helptext)
+        c.add_argument("--config", default=None,
+                       help="cluster TOML (default: cluster/configs/local-tiny.toml)")
+        c.add_argument("--host", default=None, help="override api.host")
+        c.add_argument("--port", type=int, default=None, help="override api.port")
+        if name != "check":
+            c.add_argument("--address", default=None,
+                           help="Ray address to attach to (default: RAY_ADDRESS, else a local cluster)")
+        if name == "serve":
+            c.add_argument("--max-seconds", type=float, default=0,
+                           help="stop after this many seconds (0 = until Ctrl-C)")
+        if name == "demo":
+            c.add_argument("--requests", type=int, default=4)
+            c.add_argument("--max-tokens", type=int, default=48)
+        c.set_defaults(func=func)
+
     from pdserve.decode.capacity import add_cli as add_capacity
     add_capacity(sub)
 
     args = parser.parse_args(argv)
+    t_start(args)
     try:
         return args.func(args)
     except (ValueError, KeyError, FileNotFoundError, NotImplementedError, MemoryError) as exc:
+        # ConfigError is a ValueError: its message starts with the offending field
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

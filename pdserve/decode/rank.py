@@ -12,7 +12,7 @@ from pdserve.model.batch import ForwardBatch
 from pdserve.model.generate import build_model
 from pdserve.model.parallel import TPGroup
 from pdserve.state.block_table import BlockTable, Topology
-from pdserve.state.layout import RankShapes, StateLayout
+from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 from pdserve.state.manifest import StateManifest
 from pdserve.state.pools import PoolExhausted, StatePools
 from pdserve.transfer.dest import DestRank, TransferConfig
@@ -40,10 +40,11 @@ class DecodeRank:
                  layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
                  seed: int = 0, checkpoint: str | None = None, backend: str = "reference",
                  transfer: TransferConfig = TransferConfig(), device: str = "cpu",
-                 generation: int = 0):
+                 generation: int = 0, dtype: str = "float32"):
         tp = tp or TPGroup()
         self.rank, self.config = rank, config
-        self.model = build_model(config, tp, seed=seed, checkpoint=checkpoint).to(device)
+        self.model = build_model(config, tp, dtype=dtype_of(dtype), seed=seed,
+                            checkpoint=checkpoint).to(device)
         self.layout = layout or StateLayout(latent_dtype="float32", conv_dtype="float32")
         self.pools = StatePools(RankShapes.of(config, tp.size), self.layout, num_pages, num_slots,
                                 device=device, conv_staging=True)

@@ -20,6 +20,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None           # None with temperature > 0: fresh randomness per request
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Output positions already produced elsewhere: a request resumed after a failure continues
+    # the same random stream (position i draws with (seed, position_offset + i)).
+    position_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -30,6 +33,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.position_offset < 0:
+            raise ValueError(f"position_offset must be >= 0, got {self.position_offset}")
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed (drawn now when unset), so the request is replayable."""
@@ -60,7 +65,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
         logits[order[drop]] = float("-inf")
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=_generator(params.seed, position)).item())
+    g = _generator(params.seed, params.position_offset + position)
+    return int(torch.multinomial(probs, 1, generator=g).item())
 
 
 class Request(msgspec.Struct, frozen=True):

@@ -17,7 +17,7 @@ from pdserve.model.generate import ReferenceEngine, Sequence, build_model
 from pdserve.model.parallel import TPGroup
 from pdserve.model.sampling import Request
 from pdserve.state.block_table import Topology
-from pdserve.state.layout import StateLayout
+from pdserve.state.layout import StateLayout, dtype_of
 from pdserve.state.manifest import build_manifest
 from pdserve.transfer.nixl_agent import AgentInfo, RankAgent
 from pdserve.transfer.regions import RegionTable
@@ -38,10 +38,11 @@ class PrefillRank:
     def __init__(self, instance: str, rank: int, generation: int, config, tp: TPGroup | None = None,
                  layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
                  seed: int = 0, checkpoint: str | None = None, lease_s: float = 30.0,
-                 device: str = "cpu"):
+                 device: str = "cpu", dtype: str = "float32"):
         self.instance, self.rank, self.generation, self.lease_s = instance, rank, generation, lease_s
         tp = tp or TPGroup()
-        model = build_model(config, tp, seed=seed, checkpoint=checkpoint)
+        model = build_model(config, tp, dtype=dtype_of(dtype), seed=seed,
+                            checkpoint=checkpoint)
         self.engine = ReferenceEngine(model.to(device), layout, num_pages, num_slots)
         self.topology = Topology(tp=tp.size)
         self.source = SourceRank(RankAgent(instance, rank, generation,

@@ -1,0 +1,190 @@
+"""The serving config: one TOML file validated by msgspec (DESIGN.md §6).
+
+Every invalid field is reported with its dotted path (`decode.tp: ...`), and `describe()` prints
+the topology and its capacity without starting anything (`pdserve check`).
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from pdserve.model.config import ConfigError, ModelConfig, load_model_config
+from pdserve.state.block_table import Topology
+from pdserve.state.layout import RankShapes, StateLayout, dtype_of
+from pdserve.transfer.errors import TopologyError
+from pdserve.transfer.planner import check_topology
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local-tiny.toml"
+
+
+class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str = "tiny"               # preset or model directory
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0                    # seeded weights when the directory has no safetensors
+
+
+class StateSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    page_tokens: int = 64
+    latent_dtype: str = "float32"
+    recurrent_dtype: str = "float32"
+    conv_dtype: str = "float32"
+
+
+class PrefillSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    instances: int = 1
+    tp: int = 1
+    engine: Literal["reference", "vllm"] = "reference"
+    num_pages: int = 256
+    num_slots: int = 16
+    conv_layout: Literal["SD", "DS"] = "SD"
+
+
+class DecodeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    instances: int = 1
+    tp: int = 1
+    dcp: int = 1
+    interleave: int = 64
+    backend: Literal["reference", "cutedsl"] = "reference"
+    max_batch: int = 64
+    num_pages: int = 256
+    num_slots: int = 65
+    conv_layout: Literal["SD", "DS"] = "SD"
+
+
+class TransferSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    deadline_s: float = 3.0          # base deadline; plus bytes / expected_gbps
+    expected_gbps: float = 1.0
+    lease_s: float = 30.0
+    verify: bool = False
+
+
+class ApiSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 256
+    request_timeout_s: float = 300.0
+
+
+class ResourcesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    call_timeout_s: float = 120.0    # any single call to a rank actor
+
+
+class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelSection = ModelSection()
+    state: StateSection = StateSection()
+    prefill: PrefillSection = PrefillSection()
+    decode: DecodeSection = DecodeSection()
+    transfer: TransferSection = TransferSection()
+    api: ApiSection = ApiSection()
+    resources: ResourcesSection = ResourcesSection()
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.resources.gpus_per_rank > 0 else "cpu"
+
+    def layout(self, conv_layout: str) -> StateLayout:
+        s = self.state
+        return StateLayout(s.page_tokens, s.latent_dtype, s.recurrent_dtype, s.conv_dtype,
+                           conv_layout)
+
+    def model_config(self) -> ModelConfig:
+        return load_model_config(self.model.name)
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(name, f"must be positive, got {value}")
+
+
+def validate(cfg: ServeConfig) -> ModelConfig:
+    """Check every field against the others and the model; returns the model config."""
+    for name in ("prefill.instances", "prefill.tp", "prefill.num_pages", "prefill.num_slots",
+                 "decode.instances", "decode.tp", "decode.max_batch", "decode.num_pages",
+                 "decode.num_slots", "decode.interleave", "state.page_tokens",
+                 "transfer.deadline_s", "transfer.expected_gbps", "transfer.lease_s",
+                 "api.max_queue", "api.request_timeout_s", "resources.cpus_per_rank",
+                 "resources.call_timeout_s"):
+        section, field = name.split(".")
+        _positive(name, getattr(getattr(cfg, section), field))
+    if not 0 < cfg.api.port < 65536:
+        raise ConfigError("api.port", f"must be in 1..65535, got {cfg.api.port}")
+    for field in ("latent_dtype", "recurrent_dtype", "conv_dtype"):
+        try:
+            dtype_of(getattr(cfg.state, field))
+        except ValueError as exc:
+            raise ConfigError(f"state.{field}", str(exc)) from None
+    if cfg.prefill.engine == "vllm":
+        raise ConfigError("prefill.engine", "the vllm engine is not available in this build yet; "
+                          "use 'reference'")
+    if cfg.decode.dcp not in (1, cfg.decode.tp):
+        raise ConfigError("decode.dcp", f"must be 1 or decode.tp={cfg.decode.tp}, got {cfg.decode.dcp}")
+    if cfg.decode.dcp > 1:
+        raise ConfigError("decode.dcp", "decode with DCP > 1 is not supported by the decode "
+                          "runtime yet (transfer supports it); use 1")
+    if cfg.decode.num_slots < 2:
+        raise ConfigError("decode.num_slots", "needs at least 2 (slot 0 is padding)")
+    try:
+        model = cfg.model_config()
+    except ConfigError as exc:
+        raise ConfigError(f"model.{exc.field}" if exc.field != "model" else "model.name",
+                          str(exc).split(": ", 1)[1]) from None
+    for section, tp in (("prefill", cfg.prefill.tp), ("decode", cfg.decode.tp)):
+        try:
+            model.validate(tp)
+        except ConfigError as exc:
+            raise ConfigError(f"{section}.tp", f"TP={tp} does not fit the model: {exc}") from None
+    try:
+        check_topology(RankShapes.of(model, cfg.prefill.tp), Topology(cfg.prefill.tp),
+                       Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave))
+    except TopologyError as exc:
+        raise ConfigError("decode.tp", str(exc)) from None
+    return model
+
+
+def load_serve_config(path: str | Path | None = None) -> tuple[ServeConfig, ModelConfig]:
+    p = Path(path) if path else DEFAULT_CONFIG
+    if not p.exists():
+        raise ConfigError("--config", f"no such file: {p}")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{p}: not valid TOML: {exc}") from None
+    try:
+        cfg = msgspec.convert(raw, ServeConfig)
+    except msgspec.ValidationError as exc:
+        msg, _, where = str(exc).partition(" - at `$.")
+        field = where.rstrip("`") or (msg.split("`")[1] if "`" in msg else "?")
+        raise ConfigError(field, msg) from None
+    return cfg, validate(cfg)
+
+
+def describe(cfg: ServeConfig, model: ModelConfig) -> str:
+    """The topology and per-rank state capacity, for `pdserve check`."""
+    from pdserve.state.manifest import RegionSizes
+
+    lines = [f"model {cfg.model.name}: {model.num_hidden_layers} layers "
+             f"({len(model.kda_layer_ids)} KDA, {len(model.mla_layer_ids)} MLA), dtype {cfg.model.dtype}"]
+    for role, sec in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        shapes = RankShapes.of(model, sec.tp)
+        sizes = RegionSizes.of(shapes, cfg.layout(sec.conv_layout))
+        slot = shapes.n_kda * (sizes.recurrent_slot + sizes.conv_slot)
+        page = shapes.n_mla * sizes.latent_page
+        extra = f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}, max batch " \
+                f"{cfg.decode.max_batch}" if role == "decode" else f", engine {cfg.prefill.engine}"
+        lines.append(f"{role}: {sec.instances} instance(s) x TP {sec.tp}{extra}")
+        lines.append(f"  per rank: {sec.num_slots - 1} KDA slots x {slot / 2**20:.2f} MiB, "
+                     f"{sec.num_pages - 1} latent pages x {page / 2**20:.3f} MiB "
+                     f"({(sec.num_pages - 1) * cfg.state.page_tokens:,} tokens); state "
+                     f"{((sec.num_slots * slot) + sec.num_pages * page) / 2**30:.3f} GiB")
+    lines.append(f"transfer: deadline {cfg.transfer.deadline_s} s + bytes / "
+                 f"{cfg.transfer.expected_gbps} GB/s, lease {cfg.transfer.lease_s} s, "
+                 f"verify {cfg.transfer.verify}")
+    lines.append(f"api: http://{cfg.api.host}:{cfg.api.port}/v1 (queue {cfg.api.max_queue})")
+    lines.append(f"resources: {cfg.resources.cpus_per_rank} CPU + {cfg.resources.gpus_per_rank} "
+                 f"GPU per rank; {cfg.prefill.instances * cfg.prefill.tp + cfg.decode.instances * cfg.decode.tp} ranks")
+    return "\n".join(lines)

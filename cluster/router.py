@@ -1,0 +1,262 @@
+"""The router: the API's `GenerationBackend` over Ray prefill and decode instances.
+
+Per request (DESIGN.md §2): pick a prefill instance (least queued prompt tokens), prefill there
+(first token + state handle), pick a decode instance (most free pages, then least running), pull
+the state into it and stream its tokens. Failures are handled here:
+- a prefill instance dies -> the request is prefilled on another one;
+- a transfer fails -> one retry (a fresh prefill), then an error event;
+- a decode instance dies mid-stream -> the request is re-prefilled with prompt + tokens already
+  streamed and resumes on another decode instance (same seed, shifted sampling position), so no
+  streamed token is repeated; with no instance left the client gets an error event;
+- no capacity -> Overloaded (HTTP 429) or BackendUnavailable (503).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import msgspec
+
+from pdserve.api.backend import BackendUnavailable
+from pdserve.decode.batcher import Batcher, Overloaded, TokenEvent
+from pdserve.decode.instance import DecodeInstance
+from pdserve.model.sampling import Request
+
+from pdserve.cluster.actors import Instance, InstanceLost
+
+log = logging.getLogger("pdserve.router")
+
+LOST = ("InstanceLost", "PeerLost")
+
+
+class PrefillQueue:
+    """Batches requests for one prefill instance: a worker thread takes whatever is queued
+    (up to `max_batch`) and runs one prefill call for all of it."""
+
+    def __init__(self, inst: Instance, max_batch: int = 16):
+        self.inst, self.max_batch = inst, max_batch
+        self.pending_tokens = 0
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"prefill-{inst.name}")
+        self._thread.start()
+
+    def submit(self, request: Request) -> Future:
+        fut: Future = Future()
+        self.pending_tokens += len(request.prompt)
+        self._q.put((request, fut))
+        return fut
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    break
+                batch.append(nxt)
+            reqs = [r for r, _ in batch]
+            try:
+                results = self.inst.ranks.call("prefill", reqs, self.inst.agents)[0]
+                for (_, fut), res in zip(batch, results):
+                    fut.set_result(res)
+            except Exception as exc:
+                if isinstance(exc, InstanceLost):
+                    self.inst.alive = False
+                for _, fut in batch:
+                    fut.set_exception(exc)
+            finally:
+                self.pending_tokens -= sum(len(r.prompt) for r in reqs)
+
+
+class DecodeSlot:
+    def __init__(self, inst: Instance, engine: DecodeInstance, max_batch: int, max_queue: int):
+        self.inst, self.engine = inst, engine
+        self.batcher = Batcher(engine, max_batch=max_batch, max_queue=max_queue)
+        self.stats: dict = {}
+
+
+class Router:
+    def __init__(self, model_name: str, max_context: int, prefill: list[Instance],
+                 decode: list[DecodeSlot], max_queue: int = 256):
+        self.model_name, self.max_context = model_name, max_context
+        self.prefill = [PrefillQueue(p) for p in prefill]
+        self.decode = decode
+        self.max_queue = max_queue
+        self.in_flight = 0
+        self.resumed = self.retries = 0
+        self._closed = False
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="router-poll")
+        self._poller.start()
+
+    # -- GenerationBackend ------------------------------------------------------------------
+    async def generate(self, request: Request, deadline_s: float | None) -> AsyncIterator[TokenEvent]:
+        if self._closed:
+            raise BackendUnavailable("the server is shutting down")
+        if self.in_flight >= self.max_queue:
+            raise Overloaded(f"{self.in_flight} requests in flight (max {self.max_queue})", 1.0)
+        if not any(p.inst.alive for p in self.prefill) or not any(d.inst.alive for d in self.decode):
+            raise BackendUnavailable("no live prefill or decode instance")
+        self.in_flight += 1
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        rid = request.request_id
+        emitted: list[int] = []
+        transfer_retry = True
+        try:
+            current = request
+            while True:
+                handle = await self._prefill(current, end)
+                slot = self._pick_decode()
+                if slot is None:
+                    self._cancel_source(handle)
+                    raise BackendUnavailable("no live decode instance")
+                failed = None
+                left = None if end is None else max(end - time.monotonic(), 0.01)
+                async with aclosing(slot.batcher.stream(handle, current.request_id, left)) as events:
+                    async for ev in events:
+                        if ev.token is not None:
+                            emitted.append(ev.token)
+                            yield TokenEvent(rid, ev.token, len(emitted) - 1, ev.finish_reason)
+                        elif ev.finish_reason == "error":
+                            failed = ev.error or "error"
+                        else:
+                            yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
+                if failed is None:
+                    return
+                # what failed, and can we go on elsewhere?
+                if any(k in failed for k in LOST):
+                    slot.inst.alive = False
+                    log.warning("decode instance %s lost: %s", slot.inst.name, failed)
+                elif "PoolExhausted" in failed:
+                    self._cancel_source(handle)
+                    raise Overloaded(f"decode instances are full: {failed}", 1.0)
+                elif emitted or not transfer_retry:
+                    yield TokenEvent(rid, None, len(emitted), "error", failed)
+                    return
+                else:
+                    transfer_retry = False
+                    self.retries += 1
+                    log.warning("request %s: retrying after %s", rid, failed)
+                if not any(d.inst.alive for d in self.decode):
+                    yield TokenEvent(rid, None, len(emitted), "error",
+                                     f"no live decode instance left ({failed})")
+                    return
+                current = self._resume(request, emitted)
+                if current is None:  # everything had been streamed already
+                    yield TokenEvent(rid, None, len(emitted), "length")
+                    return
+                self.resumed += bool(emitted)
+        finally:
+            self.in_flight -= 1
+
+    def stats(self) -> dict[str, float]:
+        out = {"in_flight": self.in_flight, "resumed": self.resumed, "retries": self.retries,
+               "prefill_alive": sum(p.inst.alive for p in self.prefill),
+               "decode_alive": sum(d.inst.alive for d in self.decode),
+               "prefill_queued_tokens": sum(p.pending_tokens for p in self.prefill),
+               "decode_queued": sum(d.batcher.queued for d in self.decode),
+               "decode_running": sum(d.batcher.running for d in self.decode)}
+        for d in self.decode:
+            for k, v in d.stats.items():
+                if k.startswith("transfer"):
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    def health(self) -> str | None:
+        if self._closed:
+            return "shutting down"
+        if not any(p.inst.alive for p in self.prefill):
+            return "no live prefill instance"
+        if not any(d.inst.alive for d in self.decode):
+            return "no live decode instance"
+        return None
+
+    async def close(self) -> None:
+        self._closed = True
+        for p in self.prefill:
+            p.close()
+        for d in self.decode:
+            await asyncio.to_thread(d.batcher.shutdown)
+
+    # -- helpers ----------------------------------------------------------------------------
+    async def _prefill(self, request: Request, end: float | None):
+        tried = set()
+        while True:
+            live = [p for p in self.prefill if p.inst.alive and p.inst.name not in tried]
+            if not live:
+                raise BackendUnavailable("no live prefill instance")
+            q = min(live, key=lambda p: p.pending_tokens)
+            tried.add(q.inst.name)
+            fut = q.submit(request)
+            timeout = None if end is None else max(end - time.monotonic(), 0.01)
+            try:
+                res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            except InstanceLost as exc:
+                log.warning("prefill instance %s lost (%s); retrying elsewhere", q.inst.name, exc)
+                continue
+            except asyncio.TimeoutError:
+                raise BackendUnavailable("prefill did not finish within the request deadline") from None
+            if res.error is not None:
+                if "PoolExhausted" in res.error:
+                    raise Overloaded(f"prefill instance {q.inst.name} is full: {res.error}", 1.0)
+                raise ValueError(res.error)
+            return res.handle
+
+    def _pick_decode(self) -> DecodeSlot | None:
+        live = [d for d in self.decode if d.inst.alive]
+        if not live:
+            return None
+        return max(live, key=lambda d: (d.stats.get("pages_free", 0), -d.batcher.running))
+
+    def _resume(self, request: Request, emitted: list[int]) -> Request | None:
+        left = request.params.max_tokens - len(emitted)
+        if left <= 0:
+            return None
+        params = msgspec.structs.replace(
+            request.params, max_tokens=left,
+            position_offset=request.params.position_offset + len(emitted))
+        return Request(f"{request.request_id}-{len(emitted)}", request.prompt + emitted, params)
+
+    def _cancel_source(self, handle) -> None:
+        for p in self.prefill:
+            if p.inst.name == handle.instance and p.inst.alive:
+                try:
+                    p.inst.ranks.call("cancel", handle.request_id)
+                except Exception:
+                    pass  # the lease frees it
+
+    def _poll_loop(self) -> None:
+        """Let prefill ranks free read or expired state, and refresh decode stats."""
+        while not self._closed:
+            for p in self.prefill:
+                if p.inst.alive:
+                    try:
+                        p.inst.ranks.call("poll")
+                    except InstanceLost:
+                        p.inst.alive = False
+                    except Exception:
+                        log.exception("poll of %s failed", p.inst.name)
+            for d in self.decode:
+                if d.inst.alive:
+                    try:
+                        d.stats = d.inst.ranks.call("stats")[0]
+                    except InstanceLost:
+                        d.inst.alive = False
+                    except Exception:
+                        log.exception("stats of %s failed", d.inst.name)
+            time.sleep(0.05)

@@ -1,0 +1,136 @@
+"""Start a disaggregated deployment on Ray and serve it over HTTP (`pdserve serve` / `demo`).
+
+Locally `ray.init()` starts an embedded cluster; inside `ray job submit` (RAY_ADDRESS is set) or
+with `--address`, it attaches to the running cluster.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+
+from pdserve.cluster.actors import start_instance
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.router import DecodeSlot, Router
+from pdserve.decode.instance import DecodeInstance
+from pdserve.model.config import PRESETS
+from pdserve.state.block_table import Topology
+from pdserve.transfer.dest import TransferConfig
+
+log = logging.getLogger("pdserve.serve")
+
+
+def _init_ray(cfg: ServeConfig, address: str | None) -> None:
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    ranks = cfg.prefill.instances * cfg.prefill.tp + cfg.decode.instances * cfg.decode.tp
+    need = ranks * cfg.resources.cpus_per_rank
+    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=False)
+
+
+def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -> Router:
+    """Start every instance (with placement groups) and return the router over them."""
+    _init_ray(cfg, address)
+    checkpoint = None
+    if cfg.model.name not in PRESETS and any(Path(cfg.model.name).glob("*.safetensors")):
+        checkpoint = cfg.model.name
+    common = dict(config=model, seed=cfg.model.seed, checkpoint=checkpoint, device=cfg.device,
+                  dtype=cfg.model.dtype)
+    res = cfg.resources
+    prefill, decode = [], []
+    try:
+        for i in range(cfg.prefill.instances):
+            progress(f"starting prefill-{i} (TP {cfg.prefill.tp}) ...")
+            prefill.append(start_instance(
+                "prefill", f"prefill-{i}", 0, cfg.prefill.tp,
+                dict(common, layout=cfg.layout(cfg.prefill.conv_layout),
+                     num_pages=cfg.prefill.num_pages, num_slots=cfg.prefill.num_slots,
+                     lease_s=cfg.transfer.lease_s),
+                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s))
+        transfer = TransferConfig(cfg.transfer.deadline_s, cfg.transfer.expected_gbps,
+                                  cfg.transfer.verify, cfg.transfer.lease_s)
+        for i in range(cfg.decode.instances):
+            progress(f"starting decode-{i} (TP {cfg.decode.tp}, backend {cfg.decode.backend}) ...")
+            decode.append(start_instance(
+                "decode", f"decode-{i}", 0, cfg.decode.tp,
+                dict(common, layout=cfg.layout(cfg.decode.conv_layout),
+                     num_pages=cfg.decode.num_pages, num_slots=cfg.decode.num_slots,
+                     backend=cfg.decode.backend, transfer=transfer),
+                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s))
+    except Exception:
+        for inst in prefill + decode:
+            inst.kill()
+        raise
+    agents = [a for d in decode for a in d.agents]
+    for p in prefill:
+        p.ranks.call("connect", agents)
+    by_name = {p.name: p for p in prefill}
+
+    def digests(handle, src_rank, runs):
+        actor = by_name[handle.instance].ranks.actors[src_rank]
+        return ray.get(actor.call.remote("digests", handle.request_id, runs),
+                       timeout=res.call_timeout_s)
+
+    eos = model.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    slots = []
+    for d in decode:
+        engine = DecodeInstance(d.name, d.ranks, cfg.layout(cfg.decode.conv_layout), eos,
+                                Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave),
+                                digests if cfg.transfer.verify else None)
+        slots.append(DecodeSlot(d, engine, min(cfg.decode.max_batch, cfg.decode.num_slots - 1),
+                                cfg.api.max_queue))
+    max_context = min(cfg.prefill.num_pages - 1, cfg.decode.num_pages - 1) * cfg.state.page_tokens
+    router = Router(cfg.model.name, max_context, prefill, slots, cfg.api.max_queue)
+    router.instances = prefill + decode
+    return router
+
+
+def stop(router: Router) -> None:
+    for inst in getattr(router, "instances", []):
+        inst.kill()
+
+
+@contextmanager
+def running_server(cfg: ServeConfig, model, address: str | None = None, progress=print):
+    """Cluster + HTTP server in a background thread; yields (base URL, router)."""
+    import asyncio
+
+    import uvicorn
+
+    from pdserve.api.server import create_app
+    from pdserve.api.tokenizer import load_tokenizer
+
+    router = start(cfg, model, address, progress)
+    app = create_app(router, load_tokenizer(cfg.model.name, model.vocab_size),
+                     request_timeout_s=cfg.api.request_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True, name="pdserve-http")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            stop(router)
+            raise RuntimeError(f"the HTTP server did not start on {cfg.api.host}:{cfg.api.port} "
+                               "(port in use?)")
+        time.sleep(0.05)
+    host = "127.0.0.1" if cfg.api.host in ("0.0.0.0", "::") else cfg.api.host
+    try:
+        yield f"http://{host}:{cfg.api.port}", router
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        if thread.is_alive():  # the app's lifespan did not close the router: do it here
+            asyncio.run(router.close())
+        stop(router)
