@@ -194,8 +194,11 @@ class Router:
             await asyncio.to_thread(d.batcher.shutdown)
 
     # -- helpers ----------------------------------------------------------------------------
-    async def _prefill(self, request: Request, end: float | None):
+    async def _prefill(self, request: Request, end: float | None, full_wait_s: float = 30.0):
+        """Prefill on the least loaded live instance; another one if it dies. A full instance
+        (state held until decode reads it) is backpressure: wait and retry, then 429."""
         tried = set()
+        give_up = time.monotonic() + full_wait_s
         while True:
             live = [p for p in self.prefill if p.inst.alive and p.inst.name not in tried]
             if not live:
@@ -212,9 +215,13 @@ class Router:
             except asyncio.TimeoutError:
                 raise BackendUnavailable("prefill did not finish within the request deadline") from None
             if res.error is not None:
-                if "PoolExhausted" in res.error:
+                if "PoolExhausted" not in res.error:
+                    raise ValueError(res.error)
+                if time.monotonic() > min(give_up, end or give_up):
                     raise Overloaded(f"prefill instance {q.inst.name} is full: {res.error}", 1.0)
-                raise ValueError(res.error)
+                tried.discard(q.inst.name)
+                await asyncio.sleep(0.05)
+                continue
             return res.handle
 
     def _pick_decode(self) -> DecodeSlot | None:

@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             c.add_argument("--max-tokens", type=int, default=48)
         c.set_defaults(func=func)
 
+    from pdserve.bench import add_cli as add_bench
     from pdserve.decode.capacity import add_cli as add_capacity
     add_capacity(sub)
+    add_bench(sub)
 
     args = parser.parse_args(argv)
     t_start(args)

@@ -1,0 +1,70 @@
+"""Deploying with `ray job submit`: a local Ray head, `pdserve serve` submitted as a job, queried
+over HTTP, then stopped."""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd, timeout=120, env=None):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not installed")
+def test_ray_job_submit_serves_and_stops(tmp_path):
+    gcs, dash, api = free_port(), free_port(), free_port()
+    cfg = tmp_path / "job.toml"
+    cfg.write_text((ROOT / "cluster/configs/local-tiny.toml").read_text()
+                   .replace("port = 8000", f"port = {api}"))
+    # a private local head for this test; loopback only, so no token authentication
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    start = run(["ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
+                 "--include-dashboard=true", "--num-cpus=4", "--disable-usage-stats"], 180, env)
+    assert start.returncode == 0, start.stdout + start.stderr
+    job_id = None
+    try:
+        submit = run(["ray", "job", "submit", f"--address=http://127.0.0.1:{dash}", "--no-wait",
+                      f"--working-dir={ROOT}", "--", sys.executable, "-m", "pdserve.cli", "serve",
+                      "--config", str(cfg), "--max-seconds", "240"], 180, env)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
+        deadline = time.monotonic() + 150
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            status = run(["ray", "job", "status", f"--address=http://127.0.0.1:{dash}", job_id], 60, env)
+            assert "FAILED" not in status.stdout, run(
+                ["ray", "job", "logs", f"--address=http://127.0.0.1:{dash}", job_id], 60, env).stdout[-3000:]
+            assert time.monotonic() < deadline, "the job's server did not come up"
+            time.sleep(2)
+        r = httpx.post(f"http://127.0.0.1:{api}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        stop = run(["ray", "job", "stop", f"--address=http://127.0.0.1:{dash}", job_id], 120, env)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        job_id = None
+    finally:
+        if job_id:
+            run(["ray", "job", "stop", f"--address=http://127.0.0.1:{dash}", job_id], 60, env)
+        run(["ray", "stop", "--force"], 120, env)
