@@ -66,9 +66,10 @@ def ray_session():
         ray.shutdown()
 
 
-@pytest.mark.parametrize("topology", ["1x1-to-1x1", "tp2-to-tp1"])
+@pytest.mark.parametrize("topology", ["tp1-to-tp1", "tp2-to-tp1", "tp1-to-tp2"])
 def test_openai_client_gets_the_monolithic_tokens(topology):
-    cfg, model = config(prefill_tp=2 if topology == "tp2-to-tp1" else 1, verify=True)
+    p, d = (int(x[-1]) for x in topology.split("-to-"))
+    cfg, model = config(prefill_tp=p, decode_tp=d, verify=True)
     want = monolithic(PROMPTS, 12)
     with running_server(cfg, model, progress=lambda m: None) as (url, router):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60)
