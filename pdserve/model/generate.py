@@ -126,7 +126,8 @@ class ReferenceEngine:
     def step(self, seqs: list[Sequence], chunks: list[list[int]]) -> torch.Tensor:
         """Feed `chunks[i]` to `seqs[i]` (one batched forward); logits of each last token."""
         batch = ForwardBatch.of([s.table for s in seqs], [len(c) for c in chunks])
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long)
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long,
+                           device=self.pools.latent.data.device)
         logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows())
         for s, c in zip(seqs, chunks):
             s.table.num_tokens += len(c)
