@@ -40,12 +40,13 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
     assert start.returncode == 0, start.stdout + start.stderr
     job_id = None
     try:
+        # pdserve is installed in this environment: no working_dir upload needed
         submit = run(["ray", "job", "submit", f"--address=http://127.0.0.1:{dash}", "--no-wait",
-                      f"--working-dir={ROOT}", "--", sys.executable, "-m", "pdserve.cli", "serve",
+                      "--", sys.executable, "-m", "pdserve.cli", "serve",
                       "--config", str(cfg), "--max-seconds", "240"], 180, env)
         assert submit.returncode == 0, submit.stdout + submit.stderr
         job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 240
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{api}/health", timeout=2).status_code == 200:
@@ -55,7 +56,8 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
             status = run(["ray", "job", "status", f"--address=http://127.0.0.1:{dash}", job_id], 60, env)
             assert "FAILED" not in status.stdout, run(
                 ["ray", "job", "logs", f"--address=http://127.0.0.1:{dash}", job_id], 60, env).stdout[-3000:]
-            assert time.monotonic() < deadline, "the job's server did not come up"
+            assert time.monotonic() < deadline, "the job's server did not come up: " + run(
+                ["ray", "job", "logs", f"--address=http://127.0.0.1:{dash}", job_id], 60, env).stdout[-3000:]
             time.sleep(2)
         r = httpx.post(f"http://127.0.0.1:{api}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0})

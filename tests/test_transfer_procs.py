@@ -17,8 +17,8 @@ from transfer_procs import dest_main, source_main  # noqa: E402
 
 SMALL = RankShapes(n_mla=2, n_kda=3, latent_width=576, kda_heads=32, head_dim=128, conv_taps=3,
                    tp=1, mla_heads=32)
-# big enough that the READ takes a while on DRAM: 48 KDA layers x 8 MiB + 4 MLA layers x 64K tokens
-BIG = RankShapes(n_mla=4, n_kda=48, latent_width=576, kda_heads=128, head_dim=128, conv_taps=3,
+# big enough that the READ takes a while on DRAM: 24 KDA layers x 8 MiB + 4 MLA layers x 32K tokens
+BIG = RankShapes(n_mla=4, n_kda=24, latent_width=576, kda_heads=128, head_dim=128, conv_taps=3,
                  tp=1, mla_heads=32)
 
 CTX = mp.get_context("spawn")
@@ -81,9 +81,9 @@ def test_end_to_end_read_notify_and_source_free_across_processes():
 
 
 def test_killed_source_is_a_typed_error_within_the_deadline_then_restart_works():
-    n = 65536
-    src = Proc(source_main, "prefill", 0, BIG, n, 1100)
-    dst = Proc(dest_main, BIG, n, 1100, False)
+    n = 32768
+    src = Proc(source_main, "prefill", 0, BIG, n, 550)
+    dst = Proc(dest_main, BIG, n, 550, False)
     try:
         handshake(src, dst)
         manifest = src.ready[2]
@@ -91,7 +91,7 @@ def test_killed_source_is_a_typed_error_within_the_deadline_then_restart_works()
         time.sleep(0.02)
         os.kill(src.p.pid, signal.SIGKILL)
         msg = recv(dst.conn, 60)
-        # ~0.7 GB: deadline = 3 s + bytes / 1 GB/s
+        # ~0.35 GB: deadline = 3 s + bytes / 1 GB/s
         if msg[0] == "done":
             pytest.fail(f"the transfer finished before the kill ({msg[3]:.3f} s); make BIG bigger")
         _, etype, text, elapsed, freed, tb = msg
@@ -100,7 +100,7 @@ def test_killed_source_is_a_typed_error_within_the_deadline_then_restart_works()
         assert freed, "destination allocation not freed"
 
         # restart under the same instance name with a new generation: no crash, new agent used
-        reborn = Proc(source_main, "prefill", 1, BIG, n, 1100)
+        reborn = Proc(source_main, "prefill", 1, BIG, n, 550)
         try:
             handshake(reborn, dst)
             dst.conn.send(("receive", reborn.ready[2], "prefill"))
