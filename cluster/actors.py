@@ -33,13 +33,13 @@ class RankActor:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master: tuple[str, int], kwargs: dict) -> dict:
+    def setup(self, master: tuple[str, int], kwargs: dict, threads: int = 1) -> dict:
         import torch
         import torch.distributed as dist
 
         from pdserve.model.parallel import TPGroup
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(max(1, threads))
         tp = TPGroup()
         if self.world > 1:
             backend = "nccl" if kwargs.get("device", "cpu").startswith("cuda") else "gloo"
@@ -113,7 +113,7 @@ class Instance:
 
 
 def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
-                   cpus: float, gpus: float, timeout_s: float) -> Instance:
+                   cpus: float, gpus: float, timeout_s: float, threads: int = 0) -> Instance:
     """Create the placement group and rank actors of one instance and set its ranks up."""
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     pg = placement_group([bundle] * tp, strategy="STRICT_PACK", name=f"{name}-g{generation}")
@@ -128,8 +128,9 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
     ranks = RayRanks(name, actors, timeout_s)
     try:
         master = ray.get(actors[0].address.remote(), timeout=timeout_s)
-        ray.get([a.setup.remote(master, {**kwargs, "generation": generation}) for a in actors],
-                timeout=timeout_s)
+        threads = threads or max(1, int(cpus + 0.999))
+        ray.get([a.setup.remote(master, {**kwargs, "generation": generation}, threads)
+                 for a in actors], timeout=timeout_s)
         agents = ranks.call("info")
     except Exception:
         Instance(role, name, generation, ranks, pg).kill()

@@ -71,6 +71,7 @@ class ApiSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ResourcesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
+    torch_threads: int = 0           # per rank; 0 = the rank's CPU share rounded up
     call_timeout_s: float = 120.0    # any single call to a rank actor
 
 

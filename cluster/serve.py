@@ -56,7 +56,7 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
                 dict(common, layout=cfg.layout(cfg.prefill.conv_layout),
                      num_pages=cfg.prefill.num_pages, num_slots=cfg.prefill.num_slots,
                      lease_s=cfg.transfer.lease_s),
-                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s))
+                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
         transfer = TransferConfig(cfg.transfer.deadline_s, cfg.transfer.expected_gbps,
                                   cfg.transfer.verify, cfg.transfer.lease_s)
         for i in range(cfg.decode.instances):
@@ -66,7 +66,7 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
                 dict(common, layout=cfg.layout(cfg.decode.conv_layout),
                      num_pages=cfg.decode.num_pages, num_slots=cfg.decode.num_slots,
                      backend=cfg.decode.backend, transfer=transfer),
-                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s))
+                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
     except Exception:
         for inst in prefill + decode:
             inst.kill()

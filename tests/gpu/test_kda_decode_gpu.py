@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from pdserve.model.kda_ops import kda_log_decay
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -40,7 +42,8 @@ def _fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def make_case(B, H, layout, lower_bound, n_pad=0, strided=False, salt=0):
+def make_case(B, H, layout, lower_bound, n_pad=0, strided=False, salt=0, f_scale=1.0,
+              a_max=16.0, beta_shift=0.0, state_scale=0.3):
     gen = torch.Generator(device="cuda").manual_seed(SEED + salt)
     dev = "cuda"
     rnd = lambda *s: torch.randn(*s, generator=gen, device=dev)
@@ -51,6 +54,8 @@ def make_case(B, H, layout, lower_bound, n_pad=0, strided=False, salt=0):
         q, k, v, g_out, f = (packed[:, i * HD:(i + 1) * HD] for i in range(5))
     else:
         q, k, v, g_out, f = (rnd(B, HD).to(torch.bfloat16) for _ in range(5))
+    if f_scale != 1.0:
+        f = (f.float() * f_scale).to(torch.bfloat16)
     conv_pool = rnd(n_slots, W - 1, 3 * HD).to(torch.bfloat16)
     if layout == "DS":
         conv_pool = conv_pool.transpose(1, 2).contiguous()
@@ -59,13 +64,13 @@ def make_case(B, H, layout, lower_bound, n_pad=0, strided=False, salt=0):
         slots[torch.randperm(B, generator=gen, device=dev)[:n_pad]] = 0
     return dict(
         q=q, k=k, v=v, g_out=g_out, f=f,
-        beta_raw=rnd(B, H).to(torch.bfloat16),
+        beta_raw=(rnd(B, H) + beta_shift).to(torch.bfloat16),
         conv_weight=rnd(3 * HD, W) * 0.5,
-        A_log=torch.rand(H, generator=gen, device=dev) * math.log(16.0),
+        A_log=torch.rand(H, generator=gen, device=dev) * math.log(a_max),
         dt_bias=0.5 * rnd(HD),
         norm_weight=1.0 + 0.1 * rnd(D),
         eps=1e-5, lower_bound=lower_bound,
-        state_pool=rnd(n_slots, H, D, D) * 0.3,
+        state_pool=rnd(n_slots, H, D, D) * state_scale,
         conv_pool=conv_pool,
         slot_idx=slots.to(torch.int32),
         conv_layout=layout,
@@ -152,6 +157,42 @@ def test_pdl_back_to_back_on_disjoint_slots():
     live = case["slot_idx"].long()
     assert rel(got["state_pool"][live], ref["state_pool"][live]) <= STATE_TOL
     assert torch.equal(got["conv_pool"][live], ref["conv_pool"][live])
+
+
+# Forget-gate regimes beyond the ones above: f = f_b_proj(f_a_proj(x)) of a real (or random) model
+# is several units and exp(A_log) reaches 16 and more, so the bounded gate's sigmoid argument
+# A (f + dt_bias) runs to +-50 .. +-1e4 (exp overflows to inf, the sigmoid saturates to exactly 0
+# or 1) and the softplus form to its linear branch (x > 20) with decays that underflow to 0.
+SATURATED = [(4.0, 16.0), (32.0, 16.0), (2.0, 1024.0)]     # (f scale, max exp(A_log))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -0.5, None], ids=["bounded5", "bounded05", "softplus"])
+@pytest.mark.parametrize("f_scale,a_max", SATURATED, ids=["f4", "f32", "A1024"])
+def test_saturated_forget_gates(f_scale, a_max, lower_bound):
+    salt = 50 + int(f_scale) + int(a_max)
+    # the usual checks over steps, with model-sized states (|S| up to ~10)
+    check(make_case(16, 12, "SD", lower_bound, n_pad=3, salt=salt, f_scale=f_scale, a_max=a_max,
+                    state_scale=3.0), steps=3)
+    check(make_case(3, 12, "DS", lower_bound, salt=salt + 1, f_scale=f_scale, a_max=a_max),
+          steps=2, cluster=4)
+    # beta ~ 0 (sigmoid(-60)): S' = S * exp(g) up to ~1e-26, so the state's elementwise
+    # relative error is the decay's own error, channel by channel
+    case = make_case(8, 12, "SD", lower_bound, salt=salt + 2, f_scale=f_scale, a_max=a_max,
+                     beta_shift=-60.0)
+    ref, got = clone(case), clone(case)
+    kda_decode_reference(**ref)
+    kda_decode_cutedsl(**got)
+    torch.cuda.synchronize()
+    s = case["slot_idx"].long()
+    a, b = got["state_pool"][s], ref["state_pool"][s]
+    assert torch.isfinite(a).all(), "non-finite state"
+    # exp(g) carries g's few-ulp error times |g|: allow 1e-6 (4 + |g|) relative
+    g = kda_log_decay(case["f"].view(8, 12, D), case["A_log"], case["dt_bias"].view(12, D),
+                      lower_bound)[:, :, None, :]
+    tol = 1e-6 * (4.0 + g.abs())
+    err = (a - b).abs() / b.abs().clamp_min(1e-20)
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"decay error {worst:.2f} x its tolerance (max rel err {err.max().item()})"
 
 
 def test_strided_rows_and_all_padding():
