@@ -17,20 +17,17 @@ import argparse
 import os
 import socket
 import sys
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 import torch
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS  # noqa: E402
 
 from pdserve.api.backend import GenerationBackend, LocalBackend
 from pdserve.api.server import create_app
+from pdserve.api.serving import serve_in_thread
 from pdserve.api.tokenizer import ByteLevelTokenizer, Tokenizer
 from pdserve.bench import Workload, format_table, run_bench, save
 from pdserve.model.config import preset
@@ -38,27 +35,6 @@ from pdserve.model.generate import ReferenceEngine, build_model
 
 MODEL = "tiny"
 STARTUP_S = 30.0
-
-
-@contextmanager
-def serve(app):
-    """`app` under uvicorn on a free 127.0.0.1 port in a background thread; yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + STARTUP_S
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    try:
-        if not server.started:
-            raise RuntimeError(f"uvicorn did not start within {STARTUP_S:.0f} s")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(STARTUP_S)
-        sock.close()
 
 
 def run_server_and_bench(backend_factory: Callable[[], GenerationBackend], name: str,
@@ -69,7 +45,7 @@ def run_server_and_bench(backend_factory: Callable[[], GenerationBackend], name:
     under out_dir, print the table; returns the result (with `config.backend` = name)."""
     app = create_app(backend_factory(), tokenizer or ByteLevelTokenizer(),
                      request_timeout_s=timeout)
-    with serve(app) as url:
+    with serve_in_thread(app) as url:
         result = run_bench(url, workload, concurrency_levels, n, timeout=timeout)
     result["config"]["backend"] = name
     json_path, png_path = save(result, out_dir, name)

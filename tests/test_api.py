@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -15,12 +13,12 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api.backend import LocalBackend
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.server import create_app
+from pdserve.api.serving import serve_in_thread
 from pdserve.api.tokenizer import ByteLevelTokenizer, TextStream, load_tokenizer
 from pdserve.model.config import preset
 from pdserve.model.generate import ReferenceEngine, build_model
@@ -41,20 +39,9 @@ def wait_for(predicate, what: str, timeout: float = WAIT_S) -> None:
 @contextmanager
 def serve(backend: LocalBackend, **app_kwargs):
     """A real uvicorn server on a free 127.0.0.1 port, in a background thread."""
-    app = create_app(backend, TOK, **app_kwargs)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), "uvicorn to start")
-    assert server.started, "uvicorn failed to start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        assert not thread.is_alive(), "uvicorn did not shut down"
+    with serve_in_thread(create_app(backend, TOK, **app_kwargs), startup_s=WAIT_S,
+                         shutdown_s=WAIT_S) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
 from pdserve.api.backend import LocalBackend
 from pdserve.api.server import create_app
+from pdserve.api.serving import serve_in_thread
 from pdserve.api.tokenizer import ByteLevelTokenizer
 from pdserve.bench import DEFINITIONS, Workload, add_cli, run_bench, save
 from pdserve.model.config import preset
@@ -24,32 +22,11 @@ WAIT_S = 10.0
 LEVELS, N, OUT = [1, 2], 4, 16
 
 
-@contextmanager
-def serve(app):
-    """A real uvicorn server on a free 127.0.0.1 port, in a background thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started and thread.is_alive():
-        assert time.monotonic() < deadline, "uvicorn did not start in time"
-        time.sleep(0.01)
-    assert server.started, "uvicorn failed to start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        assert not thread.is_alive(), "uvicorn did not shut down"
-
-
 @pytest.fixture(scope="module")
 def url():
     backend = LocalBackend(ReferenceEngine(build_model(preset("tiny"))), max_batch=8,
                            max_queue=64, model_name="tiny")
-    with serve(create_app(backend, ByteLevelTokenizer(), request_timeout_s=30)) as u:
+    with serve_in_thread(create_app(backend, ByteLevelTokenizer(), request_timeout_s=30)) as u:
         yield u
 
 
@@ -105,7 +82,7 @@ def test_errors_are_counted_by_kind(url):
     # one running + one queued at most: the rest of 4 simultaneous requests get 429s
     busy = LocalBackend(ReferenceEngine(build_model(preset("tiny"))), max_batch=1, max_queue=1,
                         model_name="tiny")
-    with serve(create_app(busy, ByteLevelTokenizer(), request_timeout_s=30)) as busy_url:
+    with serve_in_thread(create_app(busy, ByteLevelTokenizer(), request_timeout_s=30)) as busy_url:
         lv = run_bench(busy_url, Workload(prompt_tokens=8, output_tokens=OUT), [4], 4,
                        timeout=30, progress=False)["levels"][0]
     assert set(lv["errors"]) == {"http_429"} and lv["ok"] >= 1

@@ -82,12 +82,9 @@ def kimi_linear_weights(tp: int) -> dict[str, int]:
                 + 4 * 128)                              # o_norm (fp32)
     mla = 7 * (2 * (32 * 192 * 2304 + 32 * 256 * 512 + 2304 * 4096) // tp  # q, kv_b, o
                + 2 * (576 * 2304 + 512))                                   # kv_a + norm
-    moe = 26 * (2 * 256 * 2304 + 4 * 256                 # router + bias (replicated)
-                + 2 * 3 * 1024 * 2304 // tp              # shared expert
-                + 2 * 256 * 3 * 1024 * 2304 // tp)       # routed experts (bf16)
     return {"embed+lm_head": 2 * 2 * 163840 * 2304 // tp, "norms": 2 * (2304 + 27 * 2 * 2304),
             "kda": kda, "mla": mla, "dense_mlp": 2 * 3 * 9216 * 2304 // tp,
-            "moe_router": 26 * (2 * 256 * 2304 + 4 * 256),
+            "moe_router": 26 * (2 * 256 * 2304 + 4 * 256),      # router + bias (replicated)
             "moe_shared": 26 * 2 * 3 * 1024 * 2304 // tp,
             "moe_experts": 26 * 2 * 256 * 3 * 1024 * 2304 // tp}
 

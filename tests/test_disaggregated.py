@@ -13,7 +13,6 @@ from pdserve.model.generate import ReferenceEngine, build_model
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillRank
 from pdserve.state.layout import StateLayout
-from pdserve.state.pools import PoolExhausted
 
 LAYOUT = StateLayout(latent_dtype="float32", conv_dtype="float32")
 PROMPTS = [list(b"Disaggregated prefill"), list(b"x"), list(b"hybrid KDA + MLA state moves over NIXL")]

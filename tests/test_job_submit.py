@@ -1,6 +1,5 @@
 """Deploying with `ray job submit`: a local Ray head, `pdserve serve` submitted as a job, queried
 over HTTP, then stopped."""
-import json
 import os
 import re
 import shutil
@@ -32,8 +31,11 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
     cfg = tmp_path / "job.toml"
     cfg.write_text((ROOT / "cluster/configs/local-tiny.toml").read_text()
                    .replace("port = 8000", f"port = {api}"))
-    # a private local head for this test; loopback only, so no token authentication
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # a private local head for this test (no token authentication), started from a clean
+    # environment: variables that earlier tests' in-process Ray sessions left in os.environ
+    # must not leak into the head or the job's driver
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
     env["RAY_AUTH_MODE"] = "disabled"
     start = run(["ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
                  "--include-dashboard=true", "--num-cpus=4", "--disable-usage-stats"], 180, env)

@@ -8,7 +8,6 @@ import torch
 from pdserve.model.config import preset
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout
-from pdserve.state.manifest import StateManifest
 from pdserve.transfer.arrival import finish_arrival
 from pdserve.transfer.errors import IntegrityError, TopologyError
 from pdserve.transfer.planner import DestAllocation, plan_transfer

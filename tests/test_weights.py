@@ -1,12 +1,12 @@
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pdserve.model.config import load_config, preset
 from pdserve.model.generate import build_model
 from pdserve.model.model import HybridModel, NotSupportedYet
 from pdserve.model.parallel import TPGroup
-from pdserve.model.weights import WEIGHTS_FILE, full_state, init_seeded, load_checkpoint, save_checkpoint
+from pdserve.model.weights import WEIGHTS_FILE, full_state, load_checkpoint, save_checkpoint
 
 
 def test_seeded_init_is_deterministic_per_seed():

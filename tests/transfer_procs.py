@@ -15,7 +15,7 @@ from pdserve.transfer.planner import DestAllocation
 from pdserve.transfer.regions import RegionTable
 from pdserve.transfer.source import SourceRank
 
-from state_fixtures import as_dtype, make_pools, make_state, source_side, write_rank
+from state_fixtures import as_dtype, make_pools, make_state, source_side
 
 
 def source_main(conn, instance: str, generation: int, shapes: RankShapes, n: int, pages: int):

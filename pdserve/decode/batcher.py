@@ -155,14 +155,11 @@ class Batcher:
         job.emit(TokenEvent(job.request_id, None, job.sent, reason, error))
 
     def _flush(self, job: _Job) -> None:
-        """Emit tokens produced since the last flush; the last one carries the finish reason."""
-        out = job.seq.output
-        while job.sent < len(out):
-            last = job.sent == len(out) - 1
-            reason = job.seq.finish_reason if last else None
-            job.emit(TokenEvent(job.request_id, out[job.sent], job.sent, reason))
-            job.sent += 1
-        if job.seq.finish_reason is not None:
+        """Emit tokens produced since the last flush; the last one carries the finish reason.
+        A finished request's state is released before its final event, so a caller that sees
+        the end also sees the capacity back."""
+        out, reason = job.seq.output, job.seq.finish_reason
+        if reason is not None:
             job.done = True
             try:
                 self.engine.release(job.seq)
@@ -170,6 +167,10 @@ class Batcher:
                 self._running.pop(job.request_id, None)
                 with self._cv:
                     self._jobs.pop(job.request_id, None)
+        while job.sent < len(out):
+            last = job.sent == len(out) - 1
+            job.emit(TokenEvent(job.request_id, out[job.sent], job.sent, reason if last else None))
+            job.sent += 1
 
     def _admit(self) -> list[_Job]:
         new = []

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from pdserve.model.generate import Sequence
-from pdserve.model.sampling import sample
+from pdserve.model.generate import Sequence, sample_next
 from pdserve.prefill.handle import StateHandle
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import StateLayout
@@ -90,12 +89,7 @@ class DecodeInstance:
     def decode(self, seqs: list[Sequence]) -> list[int]:
         logits = self.ranks.call("step", [s.request_id for s in seqs],
                                  [s.output[-1] for s in seqs])[0]
-        out = []
-        for s, row in zip(seqs, logits):
-            tok = sample(row, s.params, len(s.output))
-            s.append(tok, self.eos)
-            out.append(tok)
-        return out
+        return sample_next(seqs, logits, self.eos)
 
     def release(self, seq: Sequence) -> None:
         self.ranks.call("free", seq.request_id)

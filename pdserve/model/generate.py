@@ -73,6 +73,16 @@ class Sequence:
             self.finish_reason = "length"
 
 
+def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos: set[int]) -> list[int]:
+    """Sample each sequence's next token from its logits row (seeded by output position)."""
+    out = []
+    for s, row in zip(seqs, logits):
+        tok = sample(row, s.params, len(s.output))
+        s.append(tok, eos)
+        out.append(tok)
+    return out
+
+
 class ReferenceEngine:
     """Owns a model and the state pools of one rank; runs prefill and decode steps."""
 
@@ -161,13 +171,7 @@ class ReferenceEngine:
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """One token for every running sequence (fed its last output token)."""
-        logits = self.step(seqs, [[s.output[-1]] for s in seqs])
-        out = []
-        for s, row in zip(seqs, logits):
-            tok = sample(row, s.params, len(s.output))
-            s.append(tok, self.eos)
-            out.append(tok)
-        return out
+        return sample_next(seqs, self.step(seqs, [[s.output[-1]] for s in seqs]), self.eos)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
                  on_step=None) -> list[Sequence]:

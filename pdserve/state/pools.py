@@ -53,7 +53,31 @@ class _FreeList:
         return len(self._used)
 
 
-class LatentPool:
+class _IdPool:
+    """The allocation surface shared by both pools: ids out of a `_FreeList`."""
+
+    _ids: _FreeList
+
+    def allocate(self, count: int) -> list[int]:
+        return self._ids.take(count)
+
+    def free(self, ids: list[int]) -> None:
+        self._ids.give(ids)
+
+    @property
+    def num_free(self) -> int:
+        return self._ids.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self._ids.num_used
+
+    @property
+    def capacity(self) -> int:
+        return self._ids.capacity
+
+
+class LatentPool(_IdPool):
     """MLA latent cache: `[n_mla, num_pages, page_tokens, latent_width]`.
 
     A page id indexes the same page in every MLA layer: a request owns a list of page ids and its
@@ -69,27 +93,8 @@ class LatentPool:
         self.scale = 1.0  # per-tensor dequant scale, used when the dtype is fp8
         self._ids = _FreeList(num_pages, "latent page")
 
-    # allocation
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_tokens)
-
-    def allocate(self, num_pages: int) -> list[int]:
-        return self._ids.take(num_pages)
-
-    def free(self, pages: list[int]) -> None:
-        self._ids.give(pages)
-
-    @property
-    def num_free(self) -> int:
-        return self._ids.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self._ids.num_used
-
-    @property
-    def capacity(self) -> int:
-        return self._ids.capacity
 
     # access (layer = index among MLA layers)
     def _rows(self, pages: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +118,7 @@ class LatentPool:
         return rows * self.scale if self.data.dtype == torch.float8_e4m3fn else rows
 
 
-class SlotPool:
+class SlotPool(_IdPool):
     """KDA state slots: recurrent `[n_kda, num_slots, H_local, V, K]` and conv state
     `[n_kda, num_slots, taps, 3*H_local*D]` (SD) or `[n_kda, num_slots, 3*H_local*D, taps]` (DS),
     channels packed `[q | k | v]` per rank. A slot id indexes the same slot in every KDA layer."""
@@ -134,24 +139,9 @@ class SlotPool:
         self._ids = _FreeList(num_slots, "KDA slot")
 
     def allocate(self, count: int = 1) -> list[int]:
-        ids = self._ids.take(count)
+        ids = super().allocate(count)
         self.reset(ids)  # a fresh sequence starts from zero state
         return ids
-
-    def free(self, slots: list[int]) -> None:
-        self._ids.give(slots)
-
-    @property
-    def num_free(self) -> int:
-        return self._ids.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self._ids.num_used
-
-    @property
-    def capacity(self) -> int:
-        return self._ids.capacity
 
     def reset(self, slots: list[int]) -> None:
         idx = torch.tensor(slots, dtype=torch.long, device=self.recurrent.device)
