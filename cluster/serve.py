@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -104,33 +102,15 @@ def stop(router: Router) -> None:
 @contextmanager
 def running_server(cfg: ServeConfig, model, address: str | None = None, progress=print):
     """Cluster + HTTP server in a background thread; yields (base URL, router)."""
-    import asyncio
-
-    import uvicorn
-
     from pdserve.api.server import create_app
+    from pdserve.api.serving import serve_in_thread
     from pdserve.api.tokenizer import load_tokenizer
 
     router = start(cfg, model, address, progress)
-    app = create_app(router, load_tokenizer(cfg.model.name, model.vocab_size),
-                     request_timeout_s=cfg.api.request_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True, name="pdserve-http")
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            stop(router)
-            raise RuntimeError(f"the HTTP server did not start on {cfg.api.host}:{cfg.api.port} "
-                               "(port in use?)")
-        time.sleep(0.05)
-    host = "127.0.0.1" if cfg.api.host in ("0.0.0.0", "::") else cfg.api.host
     try:
-        yield f"http://{host}:{cfg.api.port}", router
+        app = create_app(router, load_tokenizer(cfg.model.name, model.vocab_size),
+                         request_timeout_s=cfg.api.request_timeout_s)
+        with serve_in_thread(app, cfg.api.host, cfg.api.port) as url:
+            yield url, router
     finally:
-        server.should_exit = True
-        thread.join(15)
-        if thread.is_alive():  # the app's lifespan did not close the router: do it here
-            asyncio.run(router.close())
         stop(router)
