@@ -3,8 +3,6 @@ zero latent rows past the request's tokens (reads move whole units), convert sta
 into the pool's layout, and refuse a zeroed KDA state (the classic silent failure)."""
 from __future__ import annotations
 
-import torch
-
 from pdserve.state.manifest import StateManifest
 from pdserve.state.pools import StatePools
 
