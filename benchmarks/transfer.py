@@ -35,10 +35,10 @@ CASES = [("p1-d1", 1, Topology(1)), ("p2-d1", 2, Topology(1)), ("p1-d2", 1, Topo
          ("p1-d2-dcp2", 1, Topology(2, 2, 64))]
 
 
-def run_case(config, layout, name, p, topo, n, repeats):
+def run_case(config, layout, name, p, topo, n, repeats, device="cpu"):
     shapes1 = RankShapes.of(config)
     pages = -(-n // layout.page_tokens) + 2
-    src_pools = [StatePools(shapes1.at_tp(p), layout, pages, 3) for _ in range(p)]
+    src_pools = [StatePools(shapes1.at_tp(p), layout, pages, 3, device) for _ in range(p)]
     page_ids = src_pools[0].latent.allocate(pages - 1)
     for pools in src_pools[1:]:
         pools.latent.allocate(pages - 1)
@@ -48,10 +48,11 @@ def run_case(config, layout, name, p, topo, n, repeats):
             t.fill_(0.5)
     table = BlockTable([page_ids], slot, [], n)
     manifest = build_manifest("bench", config, shapes1.at_tp(p), layout, table, Topology(p))
-    src = [SourceRank(RankAgent(f"p-{name}-{n}", s, 0, RegionTable.of_pools(pl)), release=lambda r: None)
-           for s, pl in enumerate(src_pools)]
-    dst_pools = [StatePools(shapes1.at_tp(topo.tp), layout, pages, 3) for _ in range(topo.tp)]
-    dst = [DestRank(RankAgent(f"d-{name}-{n}", r, 0, RegionTable.of_pools(pl)), pl,
+    src = [SourceRank(RankAgent(f"p-{name}-{n}", s, 0, RegionTable.of_pools(pl), device),
+                      release=lambda r: None) for s, pl in enumerate(src_pools)]
+    dst_pools = [StatePools(shapes1.at_tp(topo.tp), layout, pages, 3, device)
+                 for _ in range(topo.tp)]
+    dst = [DestRank(RankAgent(f"d-{name}-{n}", r, 0, RegionTable.of_pools(pl), device), pl,
                     TransferConfig(base_deadline_s=30)) for r, pl in enumerate(dst_pools)]
     for d in dst:
         for s in src:
@@ -64,8 +65,10 @@ def run_case(config, layout, name, p, topo, n, repeats):
                 s.hold("bench", 60)
             parts = [d.allocate(manifest, topo) for d in dst]
             alloc = DestAllocation(topo, layout, [x[0] for x in parts], [x[1] for x in parts])
+            _sync(device)
             t0 = time.perf_counter()
             stats = [d.receive(manifest, alloc, src[0].agent.instance) for d in dst]
+            _sync(device)
             wall = time.perf_counter() - t0
             for d in dst:
                 d.free(alloc)
@@ -79,11 +82,14 @@ def run_case(config, layout, name, p, topo, n, repeats):
         for x in src + dst:
             x.agent.close()
     nbytes = rows[0][1]
-    a, b = torch.empty(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.ones(nbytes, dtype=torch.uint8, device=device)
     copies = []
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         a.copy_(b)
+        _sync(device)
         copies.append(time.perf_counter() - t0)
     wall = statistics.median(r[0] for r in rows)
     memcpy = statistics.median(copies)
@@ -94,11 +100,17 @@ def run_case(config, layout, name, p, topo, n, repeats):
             "descriptors": rows[0][3], "runs": rows[0][4]}
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM through UCX)")
     args = ap.parse_args()
     config = preset("kimi-linear-48b-a3b")
     layout = StateLayout()  # bf16 latent and conv, fp32 recurrent, 64-token pages
@@ -107,13 +119,16 @@ def main() -> None:
           f"{'ctrl ms':>8s} {'descs':>6s}")
     for n in args.contexts:
         for name, p, topo in CASES:
-            r = run_case(config, layout, name, p, topo, n, args.repeats)
+            r = run_case(config, layout, name, p, topo, n, args.repeats, args.device)
             results.append(r)
             print(f"{name:12s} {n:8d} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.2f} "
                   f"{r['memcpy_gbps']:7.2f} {r['fraction_of_memcpy']:5.2f} "
                   f"{r['control_ms_median']:8.2f} {r['descriptors']:6d}")
-    path = write_result("transfer_cpu", {"model": "kimi-linear-48b-a3b", "layout": "bf16 latent/conv, "
-                        "fp32 recurrent, 64-token pages", "transport": "NIXL UCX, DRAM, one process",
+    where = "DRAM" if args.device == "cpu" else "VRAM"
+    name = "transfer_cpu" if args.device == "cpu" else "transfer_h200"
+    path = write_result(name, {"model": "kimi-linear-48b-a3b", "layout": "bf16 latent/conv, "
+                        "fp32 recurrent, 64-token pages", "transport": f"NIXL UCX, {where}, one process",
+                        "memcpy": "torch copy_ of the same bytes on the same device",
                         "rows": results}, args.out)
     print(f"wrote {path}")
 
