@@ -96,6 +96,7 @@ def cmd_serve(args) -> int:
 
     from pdserve.cluster.serve import running_server
 
+    end = time.monotonic() + args.max_seconds if args.max_seconds else None
     cfg, model = _serve_config(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -104,17 +105,11 @@ def cmd_serve(args) -> int:
         print(f"pdserve: serving {cfg.model.name} at {url}/v1 (OpenAI API; /health, /metrics). "
               "Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
-            if args.max_seconds and time.monotonic() - t_start(args) > args.max_seconds:
+            if end is not None and time.monotonic() > end:
                 break
         print("pdserve: shutting down ...", flush=True)
     print("pdserve: stopped", flush=True)
     return 0
-
-
-def t_start(args, _t=[None]):
-    if _t[0] is None:
-        _t[0] = time.monotonic()
-    return _t[0]
 
 
 def cmd_demo(args) -> int:
@@ -175,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     add_bench(sub)
 
     args = parser.parse_args(argv)
-    t_start(args)
     try:
         return args.func(args)
     except (ValueError, KeyError, FileNotFoundError, NotImplementedError, MemoryError) as exc:
