@@ -45,6 +45,11 @@ def backends(op: str) -> list[str]:
     return sorted(b for (o, b) in _entries if o == op)
 
 
+def fallbacks() -> list[tuple[str, str, str]]:
+    """Every (op, requested backend, reason) that fell back so far in this process."""
+    return sorted(_logged)
+
+
 def resolve(op: str, backend: str, problem: Mapping[str, Any]) -> Resolution:
     """The implementation that serves `op` for `problem` when `backend` is requested."""
     ref = _entries.get((op, REFERENCE))
