@@ -1,15 +1,19 @@
-"""State transfer over real NIXL (UCX, DRAM) for the kimi-linear-48b-a3b state shapes.
+"""State transfer over real NIXL (UCX) for the kimi-linear-48b-a3b state shapes.
 
 For 8K and 128K-token requests and the topologies p=d=1, 2->1, 1->2 and d=2 with DCP 2, moves one
 request's full state (7 MLA layers of latent, 20 KDA layers of recurrent + conv) and reports GB/s
-against a plain memcpy of the same bytes in the same run, and the control overhead per request
-(plan + post + notify). All agents live in this process (one per rank), as on one host.
+against a memcpy of the same bytes in the same run, and the control overhead per request
+(plan + post + notify, the slowest destination rank's). As deployed, every rank is its own process
+with its own NIXL agent: destination ranks pull concurrently; the wall time runs from telling them
+to start to the last one reporting done. On CPU, UCX moves DRAM between processes with CMA.
 
-    python benchmarks/transfer.py [--contexts 8192 131072] [--repeats 5] [--out DIR]
+    python benchmarks/transfer.py [--contexts 8192 131072] [--repeats 5] [--out DIR] [--device cuda]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -23,7 +27,7 @@ from common import write_result  # noqa: E402
 from pdserve.model.config import preset
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout
-from pdserve.state.manifest import build_manifest
+from pdserve.state.manifest import StateManifest, build_manifest
 from pdserve.state.pools import StatePools
 from pdserve.transfer.dest import DestRank, TransferConfig
 from pdserve.transfer.nixl_agent import RankAgent
@@ -31,73 +35,153 @@ from pdserve.transfer.planner import DestAllocation
 from pdserve.transfer.regions import RegionTable
 from pdserve.transfer.source import SourceRank
 
+MODEL = "kimi-linear-48b-a3b"
 CASES = [("p1-d1", 1, Topology(1)), ("p2-d1", 2, Topology(1)), ("p1-d2", 1, Topology(2)),
          ("p1-d2-dcp2", 1, Topology(2, 2, 64))]
+REPLY_S = 120  # every wait on a rank process has a deadline
 
 
-def run_case(config, layout, name, p, topo, n, repeats, device="cpu"):
-    shapes1 = RankShapes.of(config)
-    pages = -(-n // layout.page_tokens) + 2
-    src_pools = [StatePools(shapes1.at_tp(p), layout, pages, 3, device) for _ in range(p)]
-    page_ids = src_pools[0].latent.allocate(pages - 1)
-    for pools in src_pools[1:]:
-        pools.latent.allocate(pages - 1)
-    slot = [pools.slots.allocate(1)[0] for pools in src_pools][0]
-    for pools in src_pools:  # non-zero state (the zeroed-state check is always on)
-        for t in pools.regions().values():
-            t.fill_(0.5)
-    table = BlockTable([page_ids], slot, [], n)
-    manifest = build_manifest("bench", config, shapes1.at_tp(p), layout, table, Topology(p))
-    src = [SourceRank(RankAgent(f"p-{name}-{n}", s, 0, RegionTable.of_pools(pl), device),
-                      release=lambda r: None) for s, pl in enumerate(src_pools)]
-    dst_pools = [StatePools(shapes1.at_tp(topo.tp), layout, pages, 3, device)
-                 for _ in range(topo.tp)]
-    dst = [DestRank(RankAgent(f"d-{name}-{n}", r, 0, RegionTable.of_pools(pl), device), pl,
-                    TransferConfig(base_deadline_s=30)) for r, pl in enumerate(dst_pools)]
-    for d in dst:
-        for s in src:
-            d.agent.connect(s.agent.info())
-            s.agent.connect(d.agent.info())
+def _pools(tp: int, pages: int, device: str) -> StatePools:
+    return StatePools(RankShapes.of(preset(MODEL)).at_tp(tp), StateLayout(), pages, 3, device)
+
+
+def source_main(conn, instance: str, rank: int, p: int, n: int, pages: int, device: str):
+    torch.set_num_threads(1)
+    pools = _pools(p, pages, device)
+    page_ids, slot = pools.latent.allocate(pages - 1), pools.slots.allocate(1)[0]
+    for t in pools.regions().values():  # non-zero state (the zeroed-state check is always on)
+        t.fill_(0.5)
+    config = preset(MODEL)
+    manifest = build_manifest("bench", config, RankShapes.of(config).at_tp(p), StateLayout(),
+                              BlockTable([page_ids], slot, [], n), Topology(p))
+    src = SourceRank(RankAgent(instance, rank, 0, RegionTable.of_pools(pools), device),
+                     release=lambda rid: None)
+    conn.send((src.agent.info(), manifest.encode()))
+    while True:
+        if conn.poll(0.002):
+            cmd, *args = conn.recv()
+            if cmd == "connect":
+                src.agent.connect(args[0])
+            elif cmd == "hold":
+                src.hold("bench", 60)
+            elif cmd == "stop":
+                src.agent.close()
+                conn.send("ok")
+                return
+            conn.send("ok")
+        src.poll()
+
+
+def dest_main(conn, instance: str, rank: int, topo: Topology, pages: int, device: str):
+    torch.set_num_threads(1)
+    pools = _pools(topo.tp, pages, device)
+    dst = DestRank(RankAgent(instance, rank, 0, RegionTable.of_pools(pools), device), pools,
+                   TransferConfig(base_deadline_s=30))
+    conn.send(dst.agent.info())
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "connect":
+            dst.agent.connect(args[0])
+            conn.send("ok")
+        elif cmd == "allocate":
+            conn.send(dst.allocate(StateManifest.decode(args[0]), topo))
+        elif cmd == "receive":
+            manifest, alloc = StateManifest.decode(args[0]), args[1]
+            stats = dst.receive(manifest, alloc, args[2])
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            dst.free(alloc)
+            conn.send(stats)
+        elif cmd == "stop":
+            dst.agent.close()
+            conn.send("ok")
+            return
+
+
+def _ask(conn, *msg):
+    conn.send(msg)
+    return _reply(conn)
+
+
+def _reply(conn):
+    if not conn.poll(REPLY_S):
+        raise TimeoutError(f"a rank process did not answer within {REPLY_S} s")
+    return conn.recv()
+
+
+def run_case(name: str, p: int, topo: Topology, n: int, repeats: int, device: str) -> dict:
+    ctx = mp.get_context("spawn")
+    pages = -(-n // StateLayout().page_tokens) + 2
+    procs, src_conns, dst_conns = [], [], []
+    for s in range(p):
+        a, b = ctx.Pipe()
+        procs.append(ctx.Process(target=source_main, args=(b, f"p-{name}", s, p, n, pages, device)))
+        src_conns.append(a)
+    for r in range(topo.tp):
+        a, b = ctx.Pipe()
+        procs.append(ctx.Process(target=dest_main, args=(b, f"d-{name}", r, topo, pages, device)))
+        dst_conns.append(a)
+    for x in procs:
+        x.start()
     rows = []
     try:
+        src_infos = [_reply(c) for c in src_conns]
+        manifest = src_infos[0][1]
+        dst_infos = [_reply(c) for c in dst_conns]
+        for c in dst_conns:
+            for info, _ in src_infos:
+                _ask(c, "connect", info)
+        for c in src_conns:
+            for info in dst_infos:
+                _ask(c, "connect", info)
         for i in range(repeats + 1):  # the first run prepares descriptor lists and connections
-            for s in src:
-                s.hold("bench", 60)
-            parts = [d.allocate(manifest, topo) for d in dst]
-            alloc = DestAllocation(topo, layout, [x[0] for x in parts], [x[1] for x in parts])
-            _sync(device)
+            for c in src_conns:
+                _ask(c, "hold")
+            parts = [_ask(c, "allocate", manifest) for c in dst_conns]
+            alloc = DestAllocation(topo, StateLayout(), [x[0] for x in parts], [x[1] for x in parts])
             t0 = time.perf_counter()
-            stats = [d.receive(manifest, alloc, src[0].agent.instance) for d in dst]
-            _sync(device)
+            for c in dst_conns:
+                c.send(("receive", manifest, alloc, f"p-{name}"))
+            stats = [_reply(c) for c in dst_conns]
             wall = time.perf_counter() - t0
-            for d in dst:
-                d.free(alloc)
-            for s in src:
-                s.poll()
             if i:
                 rows.append((wall, sum(x["bytes"] for x in stats),
                              max(x["control_s"] for x in stats),
                              sum(x["descriptors"] for x in stats), sum(x["runs"] for x in stats)))
     finally:
-        for x in src + dst:
-            x.agent.close()
-    nbytes = rows[0][1]
+        for c in src_conns + dst_conns:
+            try:
+                _ask(c, "stop")
+            except (OSError, EOFError, TimeoutError):
+                pass
+        for x in procs:
+            x.join(10)
+            if x.is_alive():
+                x.kill()
+    return {"case": name, "context": n, "p": p, "d": topo.tp, "dcp": topo.dcp,
+            "bytes": rows[0][1], "seconds_median": statistics.median(r[0] for r in rows),
+            "control_ms_median": statistics.median(r[2] for r in rows) * 1e3,
+            "descriptors": rows[0][3], "runs": rows[0][4]}
+
+
+def copy_seconds(nbytes: int, repeats: int, device: str, plain: bool) -> float:
+    """Median seconds to copy `nbytes`: with `plain`, libc memcpy on one thread (DRAM only);
+    else torch's copy_ (all of torch's threads on CPU, a device copy on GPU)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    copies = []
+    libc = ctypes.CDLL(None)
+    libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    times = []
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        a.copy_(b)
+        if plain:
+            libc.memcpy(a.data_ptr(), b.data_ptr(), nbytes)
+        else:
+            a.copy_(b)
         _sync(device)
-        copies.append(time.perf_counter() - t0)
-    wall = statistics.median(r[0] for r in rows)
-    memcpy = statistics.median(copies)
-    return {"case": name, "context": n, "p": p, "d": topo.tp, "dcp": topo.dcp,
-            "bytes": nbytes, "seconds_median": wall, "gbps": nbytes / wall / 1e9,
-            "memcpy_gbps": nbytes / memcpy / 1e9, "fraction_of_memcpy": memcpy / wall,
-            "control_ms_median": statistics.median(r[2] for r in rows) * 1e3,
-            "descriptors": rows[0][3], "runs": rows[0][4]}
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _sync(device: str) -> None:
@@ -112,24 +196,37 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM through UCX)")
     args = ap.parse_args()
-    config = preset("kimi-linear-48b-a3b")
-    layout = StateLayout()  # bf16 latent and conv, fp32 recurrent, 64-token pages
     results = []
     print(f"{'case':12s} {'context':>8s} {'MB':>8s} {'GB/s':>7s} {'memcpy':>7s} {'frac':>5s} "
-          f"{'ctrl ms':>8s} {'descs':>6s}")
+          f"{'par.copy':>8s} {'vs p=d':>6s} {'ctrl ms':>8s} {'descs':>6s}", flush=True)
     for n in args.contexts:
+        base = None
         for name, p, topo in CASES:
-            r = run_case(config, layout, name, p, topo, n, args.repeats, args.device)
+            r = run_case(name, p, topo, n, args.repeats, args.device)
+            cpu = args.device == "cpu"
+            memcpy = copy_seconds(r["bytes"], args.repeats, args.device, plain=cpu)
+            parallel = copy_seconds(r["bytes"], args.repeats, args.device, plain=False)
+            r.update(gbps=r["bytes"] / r["seconds_median"] / 1e9,
+                     memcpy_gbps=r["bytes"] / memcpy / 1e9,
+                     fraction_of_memcpy=memcpy / r["seconds_median"],
+                     parallel_copy_gbps=r["bytes"] / parallel / 1e9)
+            base = base or r["gbps"]
+            r["slowdown_vs_p1_d1"] = base / r["gbps"] - 1
             results.append(r)
             print(f"{name:12s} {n:8d} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.2f} "
                   f"{r['memcpy_gbps']:7.2f} {r['fraction_of_memcpy']:5.2f} "
-                  f"{r['control_ms_median']:8.2f} {r['descriptors']:6d}")
+                  f"{r['parallel_copy_gbps']:8.2f} {r['slowdown_vs_p1_d1']:+6.0%} {r['control_ms_median']:8.2f} "
+                  f"{r['descriptors']:6d}", flush=True)
     where = "DRAM" if args.device == "cpu" else "VRAM"
     name = "transfer_cpu" if args.device == "cpu" else "transfer_h200"
-    path = write_result(name, {"model": "kimi-linear-48b-a3b", "layout": "bf16 latent/conv, "
-                        "fp32 recurrent, 64-token pages", "transport": f"NIXL UCX, {where}, one process",
-                        "memcpy": "torch copy_ of the same bytes on the same device",
-                        "rows": results}, args.out)
+    path = write_result(name, {
+        "model": MODEL, "layout": "bf16 latent/conv, fp32 recurrent, 64-token pages",
+        "transport": f"NIXL UCX, {where}, one process per rank",
+        "memcpy": "CPU: libc memcpy of the same bytes on one thread (the fraction's denominator; "
+                  "UCX moves DRAM with one thread per destination rank); GPU: a device copy",
+        "parallel_copy": "torch copy_ of the same bytes with all torch threads",
+        "slowdown_vs_p1_d1": "GB/s of p=d=1 at the same context / this case's GB/s - 1",
+        "rows": results}, args.out)
     print(f"wrote {path}")
 
 

@@ -101,3 +101,12 @@ def test_zeroed_kda_state_is_refused():
         state.recurrent[1] = 0
     with pytest.raises(IntegrityError, match=r"zeroed KDA recurrent state in KDA layers \[1\] after 20 tokens"):
         run_case(TINY, 1, 1, 1, n=20, damage=lose_layer_1)
+
+
+def test_zeroed_layers_scans_in_full_when_the_probe_is_zero():
+    from pdserve.transfer.arrival import zeroed_layers
+    state = torch.zeros(3, 4, 128, 128)
+    state[0, 3, 127, 127] = 1e-30  # zero probe, nonzero later: live
+    state[2] = torch.randn(4, 128, 128)
+    assert zeroed_layers(state) == [1]
+    assert zeroed_layers(state, probe=10**9) == [1]

@@ -79,7 +79,7 @@ class DestRank:
             reads = plan.reads
             t_plan = time.monotonic() - t0
             deadline = t0 + self.config.deadline_s(plan.total_bytes)
-            posted, t_prep = self.agent.post_reads(src_instance, reads, plan.units)
+            posted, t_prep, descriptors = self.agent.post_reads(src_instance, reads, plan.units)
             seconds = self.agent.wait(posted, deadline, cancel)
             t1 = time.monotonic()
             if self.config.verify:
@@ -92,6 +92,7 @@ class DestRank:
             t_verify = time.monotonic() - t1
             finish_arrival(self.pools, manifest, alloc, plan, self.rank)
             t2 = time.monotonic()
+            t_arrival = t2 - t1 - t_verify
             for s in range(manifest.topology.tp):
                 self.agent.notify(src_instance, s, done_message(manifest.request_id, self.rank,
                                                                 alloc.topology.tp))
@@ -105,14 +106,13 @@ class DestRank:
             self.free(alloc)
             raise TransferError(f"request {manifest.request_id}: {type(exc).__name__}: {exc}") from exc
         self.free(alloc, keep_state=True)
-        descriptors = sum(-(-r.length // plan.units[r.kind]) for r in reads)
         self.metrics.transfer({k: sum(r.length for r in reads if r.kind == k)
                                for k in plan.bytes_by_kind}, seconds, descriptors, len(reads),
                               t_plan + t_prep + t_notify, t_verify)
         return {"bytes": sum(r.length for r in reads), "runs": len(reads),
                 "descriptors": descriptors, "seconds": time.monotonic() - t0,
                 "control_s": t_plan + t_prep + t_notify, "plan_s": t_plan, "prep_s": t_prep,
-                "verify_s": t_verify, "notify_s": t_notify, "seconds_by_kind": seconds}
+                "verify_s": t_verify, "arrival_s": t_arrival, "notify_s": t_notify, "seconds_by_kind": seconds}
 
     def cancel(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str) -> None:
         """Abandon a request: free this rank's allocation and tell the source to free its state."""

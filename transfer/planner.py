@@ -109,15 +109,16 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
                          "staging slot per moved slot")
 
     units = _units(manifest, dst, dshape)
+    latent: list[Read] = []
     reads: list[Read] = []
     for r in ranks:
-        reads += _latent_reads(manifest, dst, r, units["mla_latent"])
+        latent += _latent_reads(manifest, dst, r, units["mla_latent"])
         src_slots = [manifest.kda_slot] + [s for _, s in manifest.checkpoints]
         for i, (ss, ds) in enumerate(zip(src_slots, dst.slots[r])):
             reads += _recurrent_reads(manifest, src, dshape, r, ss, ds)
             conv_dst = dst.staging_slots[r][i] if staged else ds
             reads += _conv_reads(manifest, src, dshape, r, ss, conv_dst, staged)
-    reads = coalesce(reads)  # across slots (running + checkpoints) of one layer
+    reads = latent + coalesce(reads)  # across slots (running + checkpoints) of one layer
     by_kind = {k: sum(x.length for x in reads if x.kind == k) for k in KINDS}
     return TransferPlan(reads, units, by_kind, p, d)
 
@@ -150,16 +151,25 @@ def _latent_reads(m: StateManifest, dst: DestAllocation, r: int, unit: int) -> l
     if len(dst_pages) < need:
         raise ValueError(f"destination rank {r}: {len(dst_pages)} latent pages allocated, "
                          f"{need} needed for its tokens")
-    out = []
-    for t0 in range(0, m.num_tokens, g):
-        if topo.dcp > 1 and topo.dcp_rank_of(t0) != r:
-            continue
-        lp = _local_position(topo, t0) if topo.dcp > 1 else t0
-        # whole units even at the tail: the rows past N are zeroed on arrival (backend)
-        src_off = (src_pages[t0 // ps] * ps + t0 % ps) * row
-        dst_off = (dst_pages[lp // pd] * pd + lp % pd) * row
-        out.append(Read(src_rank, r, "mla_latent", 0, src_off, dst_off, g * row))
-    return _every_layer(out, m.shapes.n_mla)
+    # Runs are built in token order, extending the last one while both sides stay contiguous
+    # (no sort: at 128K context this is the bulk of the plan).
+    runs: list[list[int]] = []
+    n, il = m.num_tokens, topo.interleave
+    spans = ([(b, min(b + il, n)) for b in range(r * il, n, il * topo.dcp)] if topo.dcp > 1
+             else [(0, n)])
+    for lo, hi in spans:
+        for t0 in range(lo, hi, g):
+            lp = _local_position(topo, t0) if topo.dcp > 1 else t0
+            # whole units even at the tail: the rows past N are zeroed on arrival (backend)
+            so = (src_pages[t0 // ps] * ps + t0 % ps) * row
+            do = (dst_pages[lp // pd] * pd + lp % pd) * row
+            last = runs[-1] if runs else None
+            if last and last[0] + last[2] == so and last[1] + last[2] == do:
+                last[2] += unit
+            else:
+                runs.append([so, do, unit])
+    return [Read(src_rank, r, "mla_latent", layer, so, do, n)
+            for layer in range(m.shapes.n_mla) for so, do, n in runs]
 
 
 def _head_overlaps(src: RankShapes, dst: RankShapes, r: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.state import host_memory
 from pdserve.state.layout import RankShapes, StateLayout, conv_from_sd, conv_to_sd, dtype_of
 
 
@@ -88,8 +89,8 @@ class LatentPool(_IdPool):
                  device: torch.device | str = "cpu"):
         self.page_tokens = layout.page_tokens
         self.width = shapes.latent_width
-        self.data = torch.zeros(shapes.n_mla, num_pages, layout.page_tokens, shapes.latent_width,
-                                dtype=dtype_of(layout.latent_dtype), device=device)
+        self.data = host_memory.zeros((shapes.n_mla, num_pages, layout.page_tokens,
+                                       shapes.latent_width), dtype_of(layout.latent_dtype), device)
         self.scale = 1.0  # per-tensor dequant scale, used when the dtype is fp8
         self._ids = _FreeList(num_pages, "latent page")
 
@@ -128,14 +129,14 @@ class SlotPool(_IdPool):
         self.layout = layout.conv_layout
         n, h, d, taps, c = (shapes.n_kda, shapes.kda_heads, shapes.head_dim, shapes.conv_taps,
                             shapes.conv_channels)
-        self.recurrent = torch.zeros(n, num_slots, h, d, d, dtype=dtype_of(layout.recurrent_dtype),
-                                     device=device)
+        self.recurrent = host_memory.zeros((n, num_slots, h, d, d),
+                                           dtype_of(layout.recurrent_dtype), device)
         conv_shape = (n, num_slots, taps, c) if self.layout == "SD" else (n, num_slots, c, taps)
-        self.conv = torch.zeros(conv_shape, dtype=dtype_of(layout.conv_dtype), device=device)
+        self.conv = host_memory.zeros(conv_shape, dtype_of(layout.conv_dtype), device)
         # Conv state in the other layout, for transfers from an engine that uses it: reads land
         # here (in a slot taken from the same free list) and `unstage` converts into `conv`.
-        self.conv_staging = (torch.zeros(conv_shape[:2] + conv_shape[:1:-1], dtype=self.conv.dtype,
-                                         device=device) if conv_staging else None)
+        self.conv_staging = (host_memory.zeros(conv_shape[:2] + conv_shape[:1:-1], self.conv.dtype,
+                                               device) if conv_staging else None)
         self._ids = _FreeList(num_slots, "KDA slot")
 
     def allocate(self, count: int = 1) -> list[int]:
