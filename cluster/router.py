@@ -4,7 +4,8 @@ Per request (DESIGN.md §2): pick a prefill instance (least queued prompt tokens
 (first token + state handle), pick a decode instance (most free pages, then least running), pull
 the state into it and stream its tokens. Failures are handled here:
 - a prefill instance dies -> the request is prefilled on another one;
-- a transfer fails -> one retry (a fresh prefill), then an error event;
+- a transfer fails -> one retry (a fresh prefill of prompt + tokens streamed: the prefill's first
+  token is streamed at once, before the transfer), then an error event;
 - a decode instance dies mid-stream -> the request is re-prefilled with prompt + tokens already
   streamed and resumes on another decode instance (same seed, shifted sampling position), so no
   streamed token is repeated; with no instance left the client gets an error event;
@@ -126,10 +127,24 @@ class Router:
                     self._cancel_source(handle)
                     raise BackendUnavailable("no live decode instance")
                 failed = None
+                # The first token is the prefill's: stream it now, not after the transfer and
+                # decode admission (TTFT is the prefill's latency), and drop the decode stream's
+                # copy of it.
+                skip = 0
+                if handle.finished is None:
+                    emitted.append(handle.first_token)
+                    yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None)
+                    skip = 1
+                decoded = 0
                 left = None if end is None else max(end - time.monotonic(), 0.01)
                 async with aclosing(slot.batcher.stream(handle, current.request_id, left)) as events:
                     async for ev in events:
                         if ev.token is not None:
+                            decoded += 1
+                            if decoded <= skip:
+                                if ev.finish_reason is not None:  # it also ended the request
+                                    yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
+                                continue
                             emitted.append(ev.token)
                             yield TokenEvent(rid, ev.token, len(emitted) - 1, ev.finish_reason)
                         elif ev.finish_reason == "error":
@@ -144,8 +159,13 @@ class Router:
                     log.warning("decode instance %s lost: %s", slot.inst.name, failed)
                 elif "PoolExhausted" in failed:
                     self._cancel_source(handle)
+                    if emitted:  # the first token is out: a 429 can no longer be sent
+                        yield TokenEvent(rid, None, len(emitted), "error",
+                                         f"decode instances are full: {failed}")
+                        return
                     raise Overloaded(f"decode instances are full: {failed}", 1.0)
-                elif emitted or not transfer_retry:
+                elif decoded or not transfer_retry or "deadline" in failed:
+                    # failed mid-stream, or the retry is spent: no silent second attempt
                     yield TokenEvent(rid, None, len(emitted), "error", failed)
                     return
                 else:

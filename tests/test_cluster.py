@@ -101,6 +101,17 @@ def _stream_in_thread(url, prompt, max_tokens, out, started):
     return t
 
 
+def _wait_for_running(router, timeout=30.0):
+    """The decode instance running a request (the first token streams before decode admits)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        busy = [d for d in router.decode if d.batcher.running]
+        if busy:
+            return busy[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no decode instance started the request within {timeout} s")
+
+
 def test_failover_decode_death_prefill_death_and_no_decode_left():
     cfg, model = config(prefill_instances=2, decode_instances=2)
     want = monolithic(PROMPTS[:1], 150)[0]
@@ -109,7 +120,7 @@ def test_failover_decode_death_prefill_death_and_no_decode_left():
         out, started = {}, threading.Event()
         t = _stream_in_thread(url, PROMPTS[0], 150, out, started)
         assert started.wait(30)
-        busy = [d for d in router.decode if d.batcher.running][0]
+        busy = _wait_for_running(router)
         for a in busy.inst.ranks.actors:
             ray.kill(a)
         t.join(60)
@@ -130,7 +141,7 @@ def test_failover_decode_death_prefill_death_and_no_decode_left():
         t0 = time.monotonic()
         t = _stream_in_thread(url, PROMPTS[2], 150, out, started)
         assert started.wait(30)
-        last = [d for d in router.decode if d.inst.alive][0]
+        last = _wait_for_running(router)
         for a in last.inst.ranks.actors:
             ray.kill(a)
         t.join(60)
