@@ -7,6 +7,7 @@ tests): `RankAgent.info()` on one side, `RankAgent.connect(info)` on the other.
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -85,6 +86,11 @@ class RankAgent:
         self.regions = regions
         self.mem = "VRAM" if str(device).startswith("cuda") else "DRAM"
         self.device = 0 if self.mem == "DRAM" else int(str(device).partition(":")[2] or 0)
+        if self.mem == "VRAM":
+            # UCX turns CUDA-IPC GET off on GPUs without active NVLink peers (one GPU, PCIe),
+            # and a READ then falls back to TCP emulation (measured 0.45 GB/s on the H200).
+            # UCX reads this when the agent's context is created; a user's setting wins.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         self._registered = self.agent.register_memory(
             [(a, n, self.device, "") for a, n in _merge(regions.addresses())], self.mem)
