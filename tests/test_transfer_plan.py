@@ -110,3 +110,97 @@ def test_zeroed_layers_scans_in_full_when_the_probe_is_zero():
     state[2] = torch.randn(4, 128, 128)
     assert zeroed_layers(state) == [1]
     assert zeroed_layers(state, probe=10**9) == [1]
+
+
+# -- strided sources (vLLM's hybrid allocator pads KDA pages and shares buffers) ------------------
+def strided_tables(pools, pads: dict[str, int], shift: int):
+    """The state of `pools` re-laid like vLLM's cache: every page/slot followed by `pads[kind]`
+    bytes of garbage, and KDA layer l's slots moved up by l * shift. Returns the region table."""
+    g = torch.Generator().manual_seed(7)
+    layers = {}
+    for kind, t in pools.regions().items():
+        if kind == "kda_conv_staging":
+            continue
+        unit = t[0, 0].numel() * t.element_size()
+        stride = unit + pads[kind]
+        views = []
+        for layer in range(t.shape[0]):
+            moved = layer * shift if kind != "mla_latent" else 0
+            n = t.shape[1] + moved
+            buf = torch.randint(0, 256, (n * stride,), dtype=torch.uint8, generator=g)
+            for i in range(t.shape[1]):
+                at = (i + moved) * stride
+                buf[at:at + unit] = t[layer, i].contiguous().view(-1).view(torch.uint8)
+            views.append(buf[:(n - 1) * stride + unit])  # region ends with the last slot's bytes
+        layers[kind] = views
+    return RegionTable(layers)
+
+
+@pytest.mark.parametrize("p,d,c", [(1, 1, 1), (1, 2, 2), (2, 1, 1), (4, 2, 1)])
+@pytest.mark.parametrize("conv", ["SD", "DS"])
+def test_strided_source_with_per_layer_slots_moves_the_same_bytes(p, d, c, conv):
+    import msgspec
+
+    from pdserve.state.manifest import SourceStrides
+
+    layout = StateLayout(latent_dtype="float32", conv_layout=conv, page_tokens=16)
+    n, shift = 77, 2
+    state = as_dtype(make_state(TINY, n, seed=5), layout)
+    src_pools, dense = source_side(TINY, p, layout, state, n, False)
+    sizes = dense.sizes
+    # pads that are not multiples of the dense units: the planner must shrink its units
+    pads = {"mla_latent": 3 * TINY.latent_width * 4, "kda_recurrent": 1536, "kda_conv": 192}
+    strided = msgspec.structs.replace(
+        dense, strides=SourceStrides(sizes.latent_page + pads["mla_latent"],
+                                     sizes.recurrent_slot + pads["kda_recurrent"],
+                                     sizes.conv_slot + pads["kda_conv"]),
+        kda_layer_slots=[dense.kda_slot + layer * shift for layer in range(TINY.n_kda)])
+    topo = Topology(tp=d, dcp=c, interleave=8 if c > 1 else 1)
+    actual, expected, alloc = dest_side(TINY, topo, layout, n, 1, False)
+    reference, _, _ = dest_side(TINY, topo, layout, n, 1, False)
+    plan = plan_transfer(strided, alloc)
+    assert plan.units["kda_recurrent"] < plan_transfer(dense, alloc).units["kda_recurrent"]
+    copy_reads(plan.reads, [strided_tables(x, pads, shift) for x in src_pools],
+               [RegionTable.of_pools(x) for x in actual])
+    # the dense source through the unchanged planner is the reference
+    copy_reads(plan_transfer(dense, alloc).reads, [RegionTable.of_pools(x) for x in src_pools],
+               [RegionTable.of_pools(x) for x in reference])
+    for r in range(d):
+        finish_arrival(actual[r], strided, alloc, plan, r)
+        finish_arrival(reference[r], dense, alloc, plan_transfer(dense, alloc), r)
+        write_rank(expected[r], state, topo, r,
+                   BlockTable([alloc.latent_pages[r]], alloc.slots[r][0], [], n), alloc.slots[r])
+        for kind, t in actual[r].regions().items():
+            assert torch.equal(t, expected[r].regions()[kind]), (kind, r)
+            assert torch.equal(t, reference[r].regions()[kind]), (kind, r)
+
+
+def test_latent_stride_must_hold_whole_rows():
+    import msgspec
+
+    from pdserve.state.manifest import SourceStrides
+
+    layout = StateLayout(latent_dtype="float32")
+    state = as_dtype(make_state(TINY, 10, seed=1), layout)
+    _, dense = source_side(TINY, 1, layout, state, 10, False)
+    bad = msgspec.structs.replace(dense, strides=SourceStrides(dense.sizes.latent_page + 2, 1, 1))
+    _, _, alloc = dest_side(TINY, Topology(), layout, 10, 1, False)
+    with pytest.raises(TopologyError, match="whole number"):
+        plan_transfer(bad, alloc)
+
+
+def test_manifest_with_strides_round_trips_and_dense_default_is_unchanged():
+    import msgspec
+
+    from pdserve.state.manifest import SourceStrides, StateManifest
+
+    layout = StateLayout(latent_dtype="float32")
+    state = as_dtype(make_state(TINY, 10, seed=1), layout)
+    _, dense = source_side(TINY, 1, layout, state, 10, False)
+    assert dense.strides is None and dense.kda_layer_slots is None
+    s = dense.sizes
+    assert dense.source_strides() == SourceStrides(s.latent_page, s.recurrent_slot, s.conv_slot)
+    m = msgspec.structs.replace(dense, strides=SourceStrides(9 * 4, 5, 6), kda_layer_slots=[1, 2, 3])
+    assert StateManifest.decode(m.encode()) == m
+    with pytest.raises(ValueError, match="3 KDA layers"):
+        msgspec.structs.replace(dense, kda_layer_slots=[1])

@@ -115,9 +115,12 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
         latent += _latent_reads(manifest, dst, r, units["mla_latent"])
         src_slots = [manifest.kda_slot] + [s for _, s in manifest.checkpoints]
         for i, (ss, ds) in enumerate(zip(src_slots, dst.slots[r])):
-            reads += _recurrent_reads(manifest, src, dshape, r, ss, ds)
             conv_dst = dst.staging_slots[r][i] if staged else ds
-            reads += _conv_reads(manifest, src, dshape, r, ss, conv_dst, staged)
+            # one source slot in every layer, or (vLLM) the running slot per layer
+            per_layer = manifest.kda_layer_slots or [ss] * src.n_kda
+            reads += _stamp_layers(
+                per_layer, lambda s: _recurrent_reads(manifest, src, dshape, r, s, ds)
+                + _conv_reads(manifest, src, dshape, r, s, conv_dst, staged))
     reads = latent + coalesce(reads)  # across slots (running + checkpoints) of one layer
     by_kind = {k: sum(x.length for x in reads if x.kind == k) for k in KINDS}
     return TransferPlan(reads, units, by_kind, p, d)
@@ -131,9 +134,17 @@ def _units(m: StateManifest, dst: DestAllocation, dshape: RankShapes) -> dict[st
         rows = gcd(rows, dst.topology.interleave)
     conv_isz, D = dtype_of(lt.conv_dtype).itemsize, m.shapes.head_dim
     conv_unit = g_heads * D * conv_isz * (m.shapes.conv_taps if lt.conv_layout == "DS" else 1)
-    return {"mla_latent": rows * m.shapes.latent_width * dtype_of(lt.latent_dtype).itemsize,
-            "kda_recurrent": g_heads * D * D * dtype_of(lt.recurrent_dtype).itemsize,
-            "kda_conv": conv_unit}
+    # A strided source (vLLM's padded pages) needs units that also divide its strides, so every
+    # page/slot start stays on the unit grid; dense strides leave the units unchanged.
+    st, row = m.source_strides(), m.shapes.latent_width * dtype_of(lt.latent_dtype).itemsize
+    if st.latent_page % row:
+        raise TopologyError(f"source latent page stride {st.latent_page} B is not a whole number "
+                            f"of {row}-byte latent rows")
+    rows = gcd(rows, st.latent_page // row)
+    return {"mla_latent": rows * row,
+            "kda_recurrent": gcd(g_heads * D * D * dtype_of(lt.recurrent_dtype).itemsize,
+                                 st.recurrent_slot),
+            "kda_conv": gcd(conv_unit, st.conv_slot)}
 
 
 def _local_position(topo: Topology, t: int) -> int:
@@ -147,6 +158,7 @@ def _latent_reads(m: StateManifest, dst: DestAllocation, r: int, unit: int) -> l
     row = m.shapes.latent_width * dtype_of(m.layout.latent_dtype).itemsize
     ps, pd, g = m.layout.page_tokens, dst.layout.page_tokens, unit // row
     topo, src_pages, dst_pages = dst.topology, m.latent_pages[0], dst.latent_pages[r]
+    page_stride = m.source_strides().latent_page
     need = -(-topo.local_count(r if topo.dcp > 1 else 0, m.num_tokens) // pd)
     if len(dst_pages) < need:
         raise ValueError(f"destination rank {r}: {len(dst_pages)} latent pages allocated, "
@@ -161,7 +173,7 @@ def _latent_reads(m: StateManifest, dst: DestAllocation, r: int, unit: int) -> l
         for t0 in range(lo, hi, g):
             lp = _local_position(topo, t0) if topo.dcp > 1 else t0
             # whole units even at the tail: the rows past N are zeroed on arrival (backend)
-            so = (src_pages[t0 // ps] * ps + t0 % ps) * row
+            so = src_pages[t0 // ps] * page_stride + (t0 % ps) * row
             do = (dst_pages[lp // pd] * pd + lp % pd) * row
             last = runs[-1] if runs else None
             if last and last[0] + last[2] == so and last[1] + last[2] == do:
@@ -183,20 +195,24 @@ def _head_overlaps(src: RankShapes, dst: RankShapes, r: int):
 
 def _recurrent_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int,
                      dst_slot: int) -> list[Read]:
+    """Layer-0 reads of one slot (`_stamp_layers` repeats them per layer)."""
     head = src.head_dim ** 2 * dtype_of(m.layout.recurrent_dtype).itemsize
+    stride = m.source_strides().recurrent_slot
     out = []
     for s, a, b in _head_overlaps(src, dst, r):
-        so = src_slot * src.kda_heads * head + (a - s * src.kda_heads) * head
+        so = src_slot * stride + (a - s * src.kda_heads) * head
         do = dst_slot * dst.kda_heads * head + (a - r * dst.kda_heads) * head
         out.append(Read(s, r, "kda_recurrent", 0, so, do, (b - a) * head))
-    return _every_layer(out, src.n_kda)
+    return out
 
 
 def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_slot: int,
                 staged: bool) -> list[Read]:
-    """Conv reads in the SOURCE layout (into the staging slot when the destination differs)."""
+    """Layer-0 conv reads in the SOURCE layout (into the staging slot when the destination
+    differs)."""
     isz, D, taps = dtype_of(m.layout.conv_dtype).itemsize, src.head_dim, src.conv_taps
     cs, cd = src.conv_channels, dst.conv_channels
+    stride = m.source_strides().conv_slot
     out = []
     for s, a, b in _head_overlaps(src, dst, r):
         for sec in range(3):
@@ -207,16 +223,22 @@ def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_
                 spans = [(ch_s * taps, ch_d * taps, n * taps)]
             else:                             # (taps, channels): one run per tap
                 spans = [(t * cs + ch_s, t * cd + ch_d, n) for t in range(taps)]
-            out += [Read(s, r, "kda_conv", 0, src_slot * cs * taps * isz + so * isz,
+            out += [Read(s, r, "kda_conv", 0, src_slot * stride + so * isz,
                          dst_slot * cd * taps * isz + do * isz, length * isz, staged)
                     for so, do, length in spans]
-    return _every_layer(out, src.n_kda)
+    return out
 
 
-def _every_layer(reads: list[Read], n_layers: int) -> list[Read]:
-    """Offsets are the same in every layer's region: coalesce once, then stamp the layers."""
-    runs = coalesce(reads)
-    return [msgspec.structs.replace(x, layer=layer) for layer in range(n_layers) for x in runs]
+def _stamp_layers(slots: list[int], reads_of) -> list[Read]:
+    """Layer l's reads are `reads_of(slots[l])` stamped with layer l. Offsets depend only on the
+    slot, so runs are coalesced once per distinct slot (once in all, for our pools)."""
+    runs: dict[int, list[Read]] = {}
+    out = []
+    for layer, slot in enumerate(slots):
+        if slot not in runs:
+            runs[slot] = coalesce(reads_of(slot))
+        out += [msgspec.structs.replace(x, layer=layer) for x in runs[slot]]
+    return out
 
 
 def coalesce(reads: list[Read]) -> list[Read]:

@@ -58,11 +58,27 @@ def full_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
+# What vLLM needs beyond our fields to load a directory: `architectures` picks the model class
+# (vLLM's registry maps KimiLinearForCausalLM to its kimi_linear model), and
+# `max_position_embeddings` bounds max_model_len (without it vLLM assumes 2048). Kimi Linear is
+# NoPE, so the bound is the model's 1M context, not a RoPE limit.
+VLLM_FIELDS = {"kimi_linear": {"architectures": ["KimiLinearForCausalLM"],
+                               "max_position_embeddings": 1048576}}
+
+
+def hf_config_dict(config) -> dict:
+    """config.json as written: our fields plus the ones vLLM reads (pdserve ignores them)."""
+    d = config.to_hf_dict()
+    for key, value in VLLM_FIELDS.get(d.get("model_type"), {}).items():
+        d.setdefault(key, value)
+    return d
+
+
 def save_checkpoint(directory: str | Path, config, tensors: dict[str, torch.Tensor]) -> Path:
     """Write `config.json` + `model.safetensors` (HF layout) into `directory`."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    (d / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / WEIGHTS_FILE))
     return d
 

@@ -41,6 +41,24 @@ class RegionSizes(msgspec.Struct, frozen=True):
         )
 
 
+class SourceStrides(msgspec.Struct, frozen=True):
+    """Bytes from one latent page / KDA slot to the next in a source rank's layer regions.
+
+    Our pools are dense (stride = the unit's own size). vLLM's hybrid allocator is not: it pads
+    each KDA state page up to the attention page and lets one buffer hold an MLA layer and KDA
+    layers, so a KDA slot is followed by padding. Bytes inside one page or slot stay dense, and
+    each kind's region starts at its page/slot 0."""
+
+    latent_page: int
+    recurrent_slot: int
+    conv_slot: int
+
+    def __post_init__(self) -> None:
+        for name in ("latent_page", "recurrent_slot", "conv_slot"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} stride must be >= 1, got {getattr(self, name)}")
+
+
 class StateManifest(msgspec.Struct, frozen=True):
     """One request's cached state on a source instance."""
 
@@ -53,10 +71,29 @@ class StateManifest(msgspec.Struct, frozen=True):
     latent_pages: list[list[int]]            # per source DCP rank
     kda_slot: int
     checkpoints: list[tuple[int, int]] = []  # (token_pos, slot_id)
+    strides: SourceStrides | None = None     # None = dense regions (our pools)
+    # Running slot per KDA layer, overriding kda_slot: vLLM gives each KDA KV-cache group its own
+    # block ids, so one request's state sits in different slots in different layers.
+    kda_layer_slots: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kda_layer_slots is not None:
+            if len(self.kda_layer_slots) != self.shapes.n_kda:
+                raise ValueError(f"kda_layer_slots has {len(self.kda_layer_slots)} entries for "
+                                 f"{self.shapes.n_kda} KDA layers")
+            if self.checkpoints:
+                raise ValueError("per-layer KDA slots carry the running state only (no checkpoints)")
 
     @property
     def sizes(self) -> RegionSizes:
         return RegionSizes.of(self.shapes, self.layout)
+
+    def source_strides(self) -> SourceStrides:
+        """The source's strides; dense ones when the manifest names none."""
+        if self.strides is not None:
+            return self.strides
+        s = self.sizes
+        return SourceStrides(s.latent_page, s.recurrent_slot, s.conv_slot)
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

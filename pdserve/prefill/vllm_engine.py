@@ -1,0 +1,165 @@
+"""The `vllm` prefill engine: stock vLLM (`vllm.LLM`) behind the prefill interface of
+`pdserve.prefill.engine.PrefillRank`.
+
+One `VllmPrefill` is a whole prefill instance (vLLM drives its own TP workers). It loads an HF
+directory written by `pdserve export`, runs each request's prompt with max_tokens=1 (all N prompt
+tokens are computed and the first output token is sampled, so decode resumes from the state after
+exactly N tokens), and turns the `PdserveConnector`'s `kv_transfer_params` into a `StateHandle`.
+vLLM frees the blocks itself once the decode side says "done", on cancel, or at lease expiry.
+
+vLLM is imported only when an engine is built (GPU machines); this module imports without it.
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from pdserve.model.config import load_config
+from pdserve.model.sampling import Request, SamplingParams
+from pdserve.prefill.engine import PrefillResult
+from pdserve.prefill.handle import StateHandle
+from pdserve.prefill.vllm_state import decode_export
+from pdserve.transfer.nixl_agent import AgentInfo
+
+CONNECTOR = "PdserveConnector"
+CONNECTOR_MODULE = "pdserve.prefill.vllm_connector"
+WORKER_EXTENSION = "pdserve.prefill.vllm_worker.PdserveWorkerExtension"
+
+
+class VllmEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: str                          # HF directory (`pdserve export --out DIR`)
+    tp: int = 1
+    dtype: str = "bfloat16"             # vLLM's MLA kernels need 16-bit activations
+    max_model_len: int = 8192
+    gpu_memory_utilization: float = 0.5
+    # vLLM's cache is registered with NIXL whole, and the decode side prepares descriptors over
+    # it, so a cap here bounds that cost too (None = whatever memory allows).
+    num_gpu_blocks: int | None = None
+    enforce_eager: bool = True
+    lease_s: float = 30.0
+    rpc_timeout_s: float = 30.0         # deadline for every call into the workers
+
+
+def engine_args(instance: str, generation: int, cfg: VllmEngineConfig) -> dict:
+    """Keyword arguments of `vllm.LLM` for a pdserve prefill instance."""
+    args = dict(
+        model=cfg.model, tensor_parallel_size=cfg.tp, dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=cfg.enforce_eager,
+        skip_tokenizer_init=True,       # token ids in, token ids out
+        enable_prefix_caching=False,    # one running KDA slot per request, no align-mode tables
+        async_scheduling=False,         # the exported state must be the one after the prompt
+        worker_extension_cls=WORKER_EXTENSION,
+        kv_transfer_config=dict(
+            kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_producer", engine_id=instance,
+            kv_connector_extra_config={"lease_s": cfg.lease_s, "generation": generation}),
+    )
+    if cfg.num_gpu_blocks is not None:
+        args["num_gpu_blocks_override"] = cfg.num_gpu_blocks
+    return args
+
+
+def vllm_sampling_kwargs(params: SamplingParams) -> dict:
+    """vLLM SamplingParams for the first token of a pdserve request (max_tokens=1).
+
+    Greedy is bit-identical to a monolithic vLLM run; with temperature > 0 the first token is
+    vLLM's own draw (its sampler, seeded with the request's seed), the rest pdserve's."""
+    kw = dict(max_tokens=1, temperature=params.temperature, top_p=params.top_p,
+              seed=params.seed, stop_token_ids=list(params.stop_token_ids),
+              ignore_eos=params.ignore_eos, detokenize=False)
+    if params.top_k:
+        kw["top_k"] = params.top_k
+    return kw
+
+
+def result_from_output(req: Request, params: SamplingParams, instance: str, generation: int,
+                       first_token: int, finish_reason: str | None,
+                       kv_transfer_params: dict | None) -> PrefillResult:
+    """A `PrefillResult` from one vLLM output (`params` carry the concrete seed)."""
+    if kv_transfer_params and "pdserve_error" in kv_transfer_params:
+        return PrefillResult(req.request_id, error=kv_transfer_params["pdserve_error"])
+    try:
+        export = decode_export(kv_transfer_params)
+    except Exception as exc:
+        return PrefillResult(req.request_id, error=f"{type(exc).__name__}: {exc}")
+    finished = "stop" if finish_reason == "stop" else ("length" if req.params.max_tokens <= 1
+                                                       else None)
+    return PrefillResult(req.request_id, StateHandle(
+        req.request_id, instance, generation, export.agents, export.manifest, first_token,
+        params, export.num_tokens, export.lease_deadline, finished))
+
+
+class VllmPrefill:
+    """A prefill instance running stock vLLM (TP = `cfg.tp` workers inside vLLM)."""
+
+    def __init__(self, instance: str, generation: int, cfg: VllmEngineConfig):
+        from vllm import LLM  # GPU only; see module docstring
+
+        self.instance, self.generation, self.cfg = instance, generation, cfg
+        self.config = load_config(cfg.model)
+        self.llm = LLM(**engine_args(instance, generation, cfg))
+        self.handles: dict[str, str] = {}  # our request id -> vLLM request id (lease key)
+
+    def _rpc(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method, timeout=self.cfg.rpc_timeout_s, args=args)
+
+    def info(self) -> list[AgentInfo]:
+        """Every TP rank's NIXL agent, in rank order."""
+        from pdserve.prefill.vllm_connector import RankExport
+
+        infos = [msgspec.msgpack.decode(raw, type=RankExport).agent for raw in self._rpc("pdserve_info")]
+        return sorted(infos, key=lambda a: a.rank)
+
+    def connect(self, infos: list[AgentInfo]) -> None:
+        self._rpc("pdserve_connect", [msgspec.msgpack.encode(i) for i in infos])
+
+    def prefill(self, requests: list[Request], agents: list[AgentInfo] | None = None
+                ) -> list[PrefillResult]:
+        """Prefill `requests` together (vLLM batches them); first token + handle per request.
+        `agents` is accepted for interface parity: the handles carry vLLM's own rank agents."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        params = [r.params.with_seed() for r in requests]
+        outs = self.llm.generate([{"prompt_token_ids": list(r.prompt)} for r in requests],
+                                 [VllmSamplingParams(**vllm_sampling_kwargs(p)) for p in params],
+                                 use_tqdm=False)
+        results = []
+        for req, p, out in zip(requests, params, outs):
+            c = out.outputs[0]
+            if not c.token_ids:
+                results.append(PrefillResult(req.request_id, error=f"vLLM produced no token "
+                                             f"(finish_reason={c.finish_reason})"))
+                continue
+            res = result_from_output(req, p, self.instance, self.generation, int(c.token_ids[0]),
+                                     c.finish_reason, out.kv_transfer_params)
+            if res.handle is not None:
+                self.handles[req.request_id] = res.handle.manifest.request_id
+                if res.handle.finished:  # nothing to transfer: free vLLM's blocks now
+                    self.cancel(req.request_id)
+            results.append(res)
+        return results
+
+    def poll(self) -> list[tuple[str, str]]:
+        """vLLM's workers free state themselves (done / lease expiry); nothing to drive here."""
+        return []
+
+    def cancel(self, request_id: str) -> bool:
+        vllm_id = self.handles.pop(request_id, None)
+        return vllm_id is not None and any(self._rpc("pdserve_cancel", vllm_id))
+
+    def renew(self, request_id: str, lease_s: float) -> float:
+        return min(self._rpc("pdserve_renew", self.handles[request_id], lease_s))
+
+    def digests(self, request_id: str, runs, rank: int = 0) -> list[int]:
+        return self._rpc("pdserve_digests", self.handles[request_id], list(runs))[rank]
+
+    def stats(self) -> dict:
+        held = self._rpc("pdserve_held")
+        return {"held": len(held[0]) if held else 0, "engine": "vllm", "tp": self.cfg.tp,
+                "time": time.time()}
+
+    def close(self) -> None:
+        # vLLM tears its workers (and so the connectors' agents) down with the engine
+        self.llm = None
