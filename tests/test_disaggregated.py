@@ -1,9 +1,11 @@
 """Reference prefill -> NIXL transfer -> decode runtime equals the monolithic generate loop
-(in-process ranks, TP 1 -> 1); continuous batching, cancel and pool exhaustion."""
+(in-process ranks for TP 1 -> 1; Ray rank actors with gloo TP groups for 2 -> 1 and 1 -> 2);
+continuous batching, cancel and pool exhaustion."""
 import asyncio
 import time
 
 import pytest
+import ray
 
 from pdserve.decode.batcher import Batcher
 from pdserve.decode.instance import DecodeInstance, LocalRanks
@@ -12,7 +14,9 @@ from pdserve.model.config import preset, reduced_kimi_linear
 from pdserve.model.generate import ReferenceEngine, build_model
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillRank
+from pdserve.state.block_table import Topology
 from pdserve.state.layout import StateLayout
+from pdserve.transfer.dest import TransferConfig
 
 LAYOUT = StateLayout(latent_dtype="float32", conv_dtype="float32")
 PROMPTS = [list(b"Disaggregated prefill"), list(b"x"), list(b"hybrid KDA + MLA state moves over NIXL")]
@@ -77,6 +81,58 @@ def test_disaggregated_tokens_equal_monolithic(name):
         assert pair.rank.pools.empty
     finally:
         pair.close()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("p,d", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_resharded_kimi_linear_tokens_equal_monolithic(ray_session, p, d):
+    """KDA state resharded by head (and the replicated latent read from one replica) between
+    TP sizes; a 2-layer reduced kimi-linear (one KDA + dense MLP, one MLA + MoE) keeps it short."""
+    from pdserve.cluster.actors import start_instance
+    config = reduced_kimi_linear(2, 4, 2, vocab_size=512)
+    prompts = [[t % 512 for t in pr] for pr in PROMPTS]
+    want = monolithic(config, prompts, PARAMS)
+    common = dict(config=config, layout=LAYOUT, seed=5, num_pages=32, num_slots=8)
+    start = lambda role, tp, **kw: start_instance(role, f"{role}-{p}to{d}", 0, tp,
+                                                  {**common, **kw}, 0.5, 0, 120, threads=1)
+    pre = start("prefill", p)
+    dec = None
+    try:
+        dec = start("decode", d, transfer=TransferConfig(verify=True))
+        pre.ranks.call("connect", dec.agents)
+        digests = lambda h, s, runs: ray.get(
+            pre.ranks.actors[s].call.remote("digests", h.request_id, runs), timeout=60)
+        inst = DecodeInstance(dec.name, dec.ranks, LAYOUT, {config.eos_token_id}, Topology(d),
+                              digests)
+        reqs = [Request(f"r{i}", pr, sp) for i, (pr, sp) in enumerate(zip(prompts, PARAMS))]
+        results = pre.ranks.call("prefill", reqs, pre.agents)[0]
+        assert all(r.error is None for r in results), results
+        seqs = [inst.admit(r.handle) for r in results]
+        while running := [s for s in seqs if not s.finished]:
+            inst.decode(running)
+        assert [s.output for s in seqs] == want
+        for s in seqs:
+            inst.release(s)
+        assert all(st["running"] == 0 and st["pages_free"] == st["pages_total"]
+                   for st in dec.ranks.call("stats"))
+        deadline = time.monotonic() + 10
+        while any(st["held"] for st in pre.ranks.call("stats")):
+            assert time.monotonic() < deadline, "source state not freed after the transfer"
+            pre.ranks.call("poll")
+            time.sleep(0.01)
+    finally:
+        for inst_ in (pre, dec):
+            if inst_ is not None:
+                inst_.kill()
 
 
 async def _collect(batcher, handle, delay=0.0, cancel_after=None, hold=None):

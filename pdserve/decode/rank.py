@@ -5,8 +5,11 @@ one rank does for one call, whether it lives in this process or in a Ray actor.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from pdserve.decode.graphs import DecodeGraphs
 from pdserve.kernels import registry
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.generate import build_model
@@ -19,6 +22,8 @@ from pdserve.transfer.dest import DestRank, TransferConfig
 from pdserve.transfer.nixl_agent import AgentInfo, RankAgent
 from pdserve.transfer.planner import DestAllocation
 from pdserve.transfer.regions import RegionTable
+
+log = logging.getLogger("pdserve.decode")
 
 
 def kda_step_for(backend: str):
@@ -40,7 +45,10 @@ class DecodeRank:
                  layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
                  seed: int = 0, checkpoint: str | None = None, backend: str = "reference",
                  transfer: TransferConfig = TransferConfig(), device: str = "cpu",
-                 generation: int = 0, dtype: str = "float32"):
+                 generation: int = 0, dtype: str = "float32", cuda_graphs: bool = False,
+                 graph_max_tokens: int = 4096):
+        """`cuda_graphs`: capture the decode step per batch-size bucket (CUDA, TP=1) for
+        sequences of up to `graph_max_tokens` tokens; other steps run eagerly (logged once)."""
         tp = tp or TPGroup()
         self.rank, self.config = rank, config
         self.model = build_model(config, tp, dtype=dtype_of(dtype), seed=seed,
@@ -48,10 +56,13 @@ class DecodeRank:
         self.layout = layout or StateLayout(latent_dtype="float32", conv_dtype="float32")
         self.pools = StatePools(RankShapes.of(config, tp.size), self.layout, num_pages, num_slots,
                                 device=device, conv_staging=True)
+        self.kda_step = kda_step_for(backend)
+        self.graphs = (DecodeGraphs(self.model, self.pools, graph_max_tokens,
+                                    kda_step=self.kda_step) if cuda_graphs else None)
+        self._eager_reasons: set[str] = set()
         self.dest = DestRank(RankAgent(instance, rank, generation,
                                        RegionTable.of_pools(self.pools), device),
                              self.pools, transfer)
-        self.kda_step = kda_step_for(backend)
         self.tables: dict[str, BlockTable] = {}
         self.device = device
 
@@ -89,10 +100,17 @@ class DecodeRank:
     def step(self, request_ids: list[str], tokens: list[int]) -> torch.Tensor | None:
         """One decode step; returns the logits on rank 0 (every rank computes them)."""
         tables = [self.tables[r] for r in request_ids]
-        batch = ForwardBatch.of(tables, [1] * len(tables))
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows(),
-                            kda_step=self.kda_step)
+        why = None if self.graphs is None else self.graphs.refuse(tables)
+        if self.graphs is not None and why is None:
+            logits = self.graphs.run(tables, tokens)
+        else:
+            if why is not None and why not in self._eager_reasons:
+                self._eager_reasons.add(why)
+                log.warning("decode step runs without CUDA graphs: %s", why)
+            batch = ForwardBatch.of(tables, [1] * len(tables))
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows(),
+                                kda_step=self.kda_step)
         for t in tables:
             t.num_tokens += 1
         return logits.cpu() if self.rank == 0 else None

@@ -1,8 +1,14 @@
 """One forward step over several sequences: flattened token rows plus, per sequence, where its
-rows are and which cached state it owns."""
+rows are and which cached state it owns.
+
+`ForwardBatch` is the general (prefill / mixed) form, walked sequence by sequence on the host.
+`DecodeBatch` is a decode-only step (one new token per sequence) as device tensors of fixed shape,
+so the step runs with no host syncs: the form a CUDA graph captures (`pdserve.decode.graphs`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from pdserve.state.block_table import BlockTable
 
@@ -23,10 +29,14 @@ class SeqStep:
 
     @property
     def pages(self) -> list[int]:
-        if len(self.table.latent_pages) != 1:
-            raise NotImplementedError("the reference forward runs DCP=1; got "
-                                      f"{len(self.table.latent_pages)} DCP page lists")
-        return self.table.latent_pages[0]
+        return _pages(self.table)
+
+
+def _pages(table: BlockTable) -> list[int]:
+    if len(table.latent_pages) != 1:
+        raise NotImplementedError("the reference forward runs DCP=1; got "
+                                  f"{len(table.latent_pages)} DCP page lists")
+    return table.latent_pages[0]
 
 
 @dataclass
@@ -49,3 +59,53 @@ class ForwardBatch:
 
     def last_rows(self) -> list[int]:
         return [s.start + s.length - 1 for s in self.seqs]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.length == 1 for s in self.seqs)
+
+
+@dataclass
+class DecodeBatch:
+    """Row b feeds one token to a sequence whose `context[b]` tokens are cached (so the new token
+    sits at position context[b]) in KDA slot `slots[b]` and latent pages `pages[b]` (token order,
+    padded with page 0). Rows with `live` False are padding: they point at slot 0 / page 0, which
+    the pools never hand out, and the layers write no state for them."""
+    slots: torch.Tensor    # [B] int64
+    pages: torch.Tensor    # [B, max_pages] int64
+    context: torch.Tensor  # [B] int64
+    live: torch.Tensor     # [B] bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.slots.shape[0]
+
+    @staticmethod
+    def of(tables: list[BlockTable], page_tokens: int, device: torch.device | str,
+           rows: int | None = None, max_pages: int | None = None) -> DecodeBatch:
+        """The step for `tables`, padded to `rows` rows and `max_pages` pages (default: just
+        enough for these tables, which is what an eager step uses)."""
+        rows = len(tables) if rows is None else rows
+        if len(tables) > rows:
+            raise ValueError(f"{len(tables)} sequences do not fit a batch of {rows} rows")
+        need = [t.num_tokens // page_tokens + 1 for t in tables]  # pages up to the new token
+        for t, n in zip(tables, need):
+            if n > len(_pages(t)):
+                raise IndexError(f"token {t.num_tokens} is beyond the {len(_pages(t))} pages owned")
+        width = max(need, default=1) if max_pages is None else max_pages
+        if max(need, default=0) > width:
+            raise ValueError(f"a sequence with {max(need)} pages does not fit max_pages={width}")
+        pages = torch.zeros(rows, width, dtype=torch.long)
+        for i, (t, n) in enumerate(zip(tables, need)):
+            pages[i, :n] = torch.tensor(_pages(t)[:n])
+        pad = rows - len(tables)
+        slots = torch.tensor([t.kda_slot for t in tables] + [0] * pad, dtype=torch.long)
+        context = torch.tensor([t.num_tokens for t in tables] + [0] * pad, dtype=torch.long)
+        live = torch.arange(rows) < len(tables)
+        return DecodeBatch(slots.to(device), pages.to(device), context.to(device),
+                           live.to(device))
+
+    def copy_(self, other: DecodeBatch) -> None:
+        """Overwrite these tensors in place (a captured graph's static inputs)."""
+        for name in ("slots", "pages", "context", "live"):
+            getattr(self, name).copy_(getattr(other, name))

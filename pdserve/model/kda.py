@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from pdserve.model import kda_ops
-from pdserve.model.batch import ForwardBatch
+from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.parallel import Linear, TPGroup, sharded
+from pdserve.state.layout import conv_from_sd, conv_to_sd
 from pdserve.state.pools import SlotPool
 
 
@@ -51,8 +52,8 @@ class KDAAttention(nn.Module):
         """[3*H_local*D, W], packed [q | k | v] like the conv state's channels."""
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SlotPool, layer: int,
-                kda_step=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | DecodeBatch, pool: SlotPool,
+                layer: int, kda_step=None) -> torch.Tensor:
         """`kda_step`: an optional fused decode-step op (the decode runtime's backend dispatch,
         signature of `pdserve.kernels.kda_decode`); it returns None to decline a step."""
         T, H, D = x.shape[0], self.heads, self.head_dim
@@ -61,12 +62,13 @@ class KDAAttention(nn.Module):
         beta_raw = self.b_proj(x)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         conv_w = self.conv_weight()
-        if kda_step is not None and all(s.length == 1 for s in batch.seqs):
-            slots = torch.tensor([s.table.kda_slot for s in batch.seqs], dtype=torch.int32,
-                                 device=x.device)
+        decode = isinstance(batch, DecodeBatch)
+        if kda_step is not None and decode:
+            # padding rows carry slot 0, which the op leaves untouched
             out = kda_step(q, k, v, gate, f_raw, beta_raw, conv_w, self.A_log.view(H),
                            self.dt_bias, self.o_norm.weight, self.eps, self.lower_bound,
-                           pool.recurrent[layer], pool.conv[layer], slots, pool.layout)
+                           pool.recurrent[layer], pool.conv[layer], batch.slots.to(torch.int32),
+                           pool.layout)
             if out is not None:
                 return self.o_proj(out.to(x.dtype))
         qkv = torch.cat([q, k, v], dim=-1).float()
@@ -75,20 +77,46 @@ class KDAAttention(nn.Module):
                                   self.lower_bound)
         beta = torch.sigmoid(beta_raw.float())
 
-        o = torch.empty(T, H, D, dtype=torch.float32, device=x.device)
-        for seq in batch.seqs:
-            rows = seq.rows
-            state, conv_state = pool.read(layer, seq.table.kda_slot)
-            mixed, conv_state = kda_ops.short_conv(qkv[rows], conv_w, conv_state)
-            q, k, v = mixed.view(seq.length, 3, H, D).unbind(1)
-            q = kda_ops.l2_normalize(q) * D ** -0.5
-            k = kda_ops.l2_normalize(k)
-            rule = kda_ops.delta_rule_recurrent if seq.length == 1 else kda_ops.delta_rule_chunked
-            o[rows], state = rule(q, k, v, g[rows], beta[rows], state)
-            pool.write(layer, seq.table.kda_slot, state, conv_state)
+        if decode:
+            o = self._decode(qkv, conv_w, g, beta, batch, pool, layer)
+        else:
+            o = torch.empty(T, H, D, dtype=torch.float32, device=x.device)
+            for seq in batch.seqs:
+                rows = seq.rows
+                state, conv_state = pool.read(layer, seq.table.kda_slot)
+                mixed, conv_state = kda_ops.short_conv(qkv[rows], conv_w, conv_state)
+                q, k, v = mixed.view(seq.length, 3, H, D).unbind(1)
+                q = kda_ops.l2_normalize(q) * D ** -0.5
+                k = kda_ops.l2_normalize(k)
+                rule = kda_ops.delta_rule_recurrent if seq.length == 1 else kda_ops.delta_rule_chunked
+                o[rows], state = rule(q, k, v, g[rows], beta[rows], state)
+                pool.write(layer, seq.table.kda_slot, state, conv_state)
 
         out = kda_ops.gated_rmsnorm(o, self.o_norm.weight, gate.float().view(T, H, D), self.eps)
         return self.o_proj(out.reshape(T, H * D).to(x.dtype))
+
+    def _decode(self, qkv: torch.Tensor, conv_w: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, batch: DecodeBatch, pool: SlotPool, layer: int) -> torch.Tensor:
+        """One token for every row at once, state gathered and scattered by slot-id tensors.
+        Padding rows store back the state they read, so slot 0 stays bit-identical."""
+        B, H, D = g.shape
+        recurrent, conv = pool.recurrent[layer], pool.conv[layer]
+        state, conv_state = recurrent[batch.slots], conv[batch.slots]
+        mixed, new_conv = kda_ops.short_conv(qkv[:, None], conv_w,
+                                             conv_to_sd(conv_state, pool.layout).float())
+        q, k, v = mixed.view(B, 3, H, D).unbind(1)
+        q = kda_ops.l2_normalize(q) * D ** -0.5
+        k = kda_ops.l2_normalize(k)
+        # rows x heads as one head axis: the recurrence is independent per head
+        o, new_state = kda_ops.delta_rule_recurrent(
+            q.reshape(1, B * H, D), k.reshape(1, B * H, D), v.reshape(1, B * H, D),
+            g.reshape(1, B * H, D), beta.reshape(1, B * H), state.reshape(B * H, D, D))
+        live = batch.live
+        recurrent.index_put_((batch.slots,), torch.where(
+            live[:, None, None, None], new_state.view(state.shape).to(recurrent.dtype), state))
+        conv.index_put_((batch.slots,), torch.where(
+            live[:, None, None], conv_from_sd(new_conv, pool.layout).to(conv.dtype), conv_state))
+        return o.view(B, H, D)
 
 
 class _Conv(nn.Module):

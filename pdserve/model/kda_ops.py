@@ -51,19 +51,19 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 def short_conv(x: Tensor, weight: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv (width W, no bias) followed by SiLU.
 
-    x: [T, C]; weight: [C, W] with tap W-1 on the current input and tap 0 on
-    the oldest; state: [W-1, C], the previous W-1 inputs, oldest first (zeros
-    for a fresh sequence).
-    Returns y: [T, C] fp32 = silu(conv(x)), and new_state: [W-1, C] in
+    x: [..., T, C]; weight: [C, W] with tap W-1 on the current input and tap 0 on
+    the oldest; state: [..., W-1, C], the previous W-1 inputs, oldest first (zeros
+    for a fresh sequence); leading dims batch independent sequences.
+    Returns y: [..., T, C] fp32 = silu(conv(x)), and new_state: [..., W-1, C] in
     state's dtype = the last W-1 rows of [state; x] (also right when T < W-1).
     """
     C, W = weight.shape
-    assert x.shape[-1] == C and tuple(state.shape) == (W - 1, C), (x.shape, weight.shape, state.shape)
-    xs = torch.cat([state.float(), x.float()], dim=0)     # [W-1+T, C]
-    # windows[t, c, w] = xs[t + w, c]: tap w sees input t + w - (W-1).
-    windows = xs.unfold(0, W, 1)                           # [T, C, W]
+    assert x.shape[-1] == C and tuple(state.shape[-2:]) == (W - 1, C), (x.shape, weight.shape, state.shape)
+    xs = torch.cat([state.float(), x.float()], dim=-2)    # [..., W-1+T, C]
+    # windows[..., t, c, w] = xs[..., t + w, c]: tap w sees input t + w - (W-1).
+    windows = xs.unfold(-2, W, 1)                          # [..., T, C, W]
     y = F.silu((windows * weight.float()).sum(-1))
-    new_state = xs[xs.shape[0] - (W - 1):].to(state.dtype)
+    new_state = xs[..., xs.shape[-2] - (W - 1):, :].to(state.dtype)
     return y, new_state
 
 

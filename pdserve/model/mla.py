@@ -12,25 +12,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.model.batch import ForwardBatch
+from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.norms import RMSNorm
 from pdserve.model.parallel import Linear, TPGroup
 from pdserve.state.pools import LatentPool
 
 
 def absorbed_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int,
-                       scale: float, causal_offset: int | None = None
+                       scale: float, visible: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MQA over latent rows. q_abs [T, H, R+P], rows [L, R+P] -> (latent out [T, H, R], lse [T, H]).
+    """MQA over latent rows. q_abs [..., T, H, R+P], rows [..., L, R+P] -> (latent out
+    [..., T, H, R], lse [..., T, H]); leading dims batch sequences.
 
-    With `causal_offset` o, query i sees rows 0..o+i (a prefill chunk in absorbed form)."""
-    scores = torch.einsum("thc,lc->thl", q_abs.float(), rows.float()) * scale
-    if causal_offset is not None:
-        T, L = q_abs.shape[0], rows.shape[0]
-        visible = torch.arange(L)[None, :] <= causal_offset + torch.arange(T)[:, None]
-        scores = scores.masked_fill(~visible[:, None, :].to(scores.device), float("-inf"))
+    With `visible` [..., T, L], query t sees only the rows where it is True (causal masks,
+    padded rows of a fixed-width gather)."""
+    scores = torch.einsum("...thc,...lc->...thl", q_abs.float(), rows.float()) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible[..., :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("thl,lr->thr", torch.exp(scores - lse[..., None]), rows[:, :kv_lora_rank].float())
+    out = torch.einsum("...thl,...lr->...thr", torch.exp(scores - lse[..., None]),
+                       rows[..., :kv_lora_rank].float())
     return out, lse
 
 
@@ -72,17 +73,21 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.float().view(self.heads, self.nope + self.v_dim, self.rank)
         return w[:, :self.nope], w[:, self.nope:]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: LatentPool,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | DecodeBatch, pool: LatentPool,
                 layer: int) -> torch.Tensor:
         T = x.shape[0]
         q = self.query(x).float()
         new_rows = self.latent(x)
-        out = torch.empty(T, self.heads, self.v_dim, dtype=torch.float32, device=x.device)
-        for seq in batch.seqs:
-            pool.write(layer, seq.pages, seq.context, new_rows[seq.rows])
-            rows = pool.read(layer, seq.pages, seq.context + seq.length)
-            attend = self._absorbed if seq.length == 1 else self._naive
-            out[seq.rows] = attend(q[seq.rows], rows, seq.context)
+        if isinstance(batch, DecodeBatch):
+            rows = _decode_rows(pool, layer, batch, new_rows)
+            out = self._absorbed(q[:, None], rows, batch.context)[:, 0]
+        else:
+            out = torch.empty(T, self.heads, self.v_dim, dtype=torch.float32, device=x.device)
+            for seq in batch.seqs:
+                pool.write(layer, seq.pages, seq.context, new_rows[seq.rows])
+                rows = pool.read(layer, seq.pages, seq.context + seq.length)
+                attend = self._absorbed if seq.length == 1 else self._naive
+                out[seq.rows] = attend(q[seq.rows], rows, seq.context)
         if hasattr(self, "g_proj"):
             out = out * torch.sigmoid(self.g_proj(x).float().view(T, self.heads, self.v_dim))
         return self.o_proj(out.reshape(T, -1).to(x.dtype))
@@ -99,9 +104,32 @@ class MLAAttention(nn.Module):
         scores = scores.masked_fill(~visible[:, None, :].to(scores.device), float("-inf"))
         return torch.einsum("thl,lhd->thd", torch.softmax(scores, dim=-1), v)
 
-    def _absorbed(self, q: torch.Tensor, rows: torch.Tensor, context: int) -> torch.Tensor:
+    def _absorbed(self, q: torch.Tensor, rows: torch.Tensor,
+                  context: int | torch.Tensor) -> torch.Tensor:
+        """q [..., T, H, nope+rope] of the tokens at positions context.. over their sequence's
+        rows [..., L, R+P] (row i is token i; later rows are masked out). Leading dims batch
+        sequences, with `context` then a tensor of those dims."""
         w_uk, w_uv = self.w_uk_uv()
-        q_abs = torch.cat([torch.einsum("thn,hnr->thr", q[..., :self.nope], w_uk),
+        q_abs = torch.cat([torch.einsum("...thn,hnr->...thr", q[..., :self.nope], w_uk),
                            q[..., self.nope:]], dim=-1)
-        lat, _ = absorbed_attention(q_abs, rows, self.rank, self.scale, causal_offset=context)
-        return torch.einsum("thr,hvr->thv", lat, w_uv)
+        T, L = q.shape[-3], rows.shape[-2]
+        pos = torch.as_tensor(context, device=q.device)[..., None, None] + torch.arange(
+            T, device=q.device)[:, None]
+        visible = torch.arange(L, device=q.device) <= pos          # [..., T, L]
+        lat, _ = absorbed_attention(q_abs, rows, self.rank, self.scale, visible)
+        return torch.einsum("...thr,hvr->...thv", lat, w_uv)
+
+
+def _decode_rows(pool: LatentPool, layer: int, batch: DecodeBatch,
+                 new_rows: torch.Tensor) -> torch.Tensor:
+    """Store each live row's new latent at its position and gather every row's pages:
+    [B, max_pages * page_tokens, R+P] fp32 (dequantized), by tensor indices only. Padding rows
+    store back what their page-0 slot already holds, so the pool is left bit-identical there."""
+    data, pt = pool.data[layer], pool.page_tokens
+    fp8 = data.dtype == torch.float8_e4m3fn
+    page = batch.pages.gather(1, (batch.context // pt)[:, None])[:, 0]
+    row = batch.context % pt
+    new = (new_rows.float() / pool.scale if fp8 else new_rows).to(data.dtype)
+    data.index_put_((page, row), torch.where(batch.live[:, None], new, data[page, row]))
+    rows = data[batch.pages].flatten(1, 2).to(torch.float32)
+    return rows * pool.scale if fp8 else rows

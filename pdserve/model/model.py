@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.model.batch import ForwardBatch
+from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.kda import KDAAttention
 from pdserve.model.mla import MLAAttention
 from pdserve.model.moe import MLP, MoE
@@ -41,8 +41,10 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn(h, batch, pools.slots, cache_index, kda_step)
         else:
             x = x + self.self_attn(h, batch, pools.latent, cache_index)
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return x + ffn(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if hasattr(self, "block_sparse_moe"):
+            return x + self.block_sparse_moe(h, dense=isinstance(batch, DecodeBatch))
+        return x + self.mlp(h)
 
 
 class _Embedding(nn.Module):
@@ -95,15 +97,21 @@ class HybridModel(nn.Module):
                             for i in range(config.num_hidden_layers)]
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, pools: StatePools,
-                logit_rows: list[int] | None = None, kda_step=None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, batch: ForwardBatch | DecodeBatch,
+                pools: StatePools, logit_rows: list[int] | None = None,
+                kda_step=None) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(logit_rows), vocab] (default: every row).
 
         Cached state is read from and written to `pools` for every sequence of `batch`; the
-        caller advances each `table.num_tokens` afterwards. `kda_step` is an optional fused KDA
-        decode op used by every KDA layer on decode-only steps (see KDAAttention)."""
+        caller advances each `table.num_tokens` afterwards. A decode-only `ForwardBatch` runs as
+        a `DecodeBatch` (static shapes, no host syncs: the step CUDA graphs capture). `kda_step`
+        is an optional fused KDA decode op used by every KDA layer on decode steps (see
+        KDAAttention)."""
         if token_ids.shape[0] != batch.num_rows:
             raise ValueError(f"{token_ids.shape[0]} token ids for a batch of {batch.num_rows} rows")
+        if isinstance(batch, ForwardBatch) and batch.is_decode:
+            batch = DecodeBatch.of([s.table for s in batch.seqs], pools.latent.page_tokens,
+                                   token_ids.device)
         x = self.model.embed_tokens(token_ids)
         for layer, idx in zip(self.model.layers, self.cache_index):
             x = layer(x, batch, pools, idx, kda_step)

@@ -76,7 +76,11 @@ class MoE(nn.Module):
             self.shared_experts = MLP(hidden, inter * config.num_shared_experts, tp, dtype,
                                       reduce=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """`dense` (decode steps): every expert runs on every row with routing weight 0 where it
+        was not chosen, so shapes are static and nothing syncs with the host. Each row still sums
+        its experts' outputs in ascending expert order and the unchosen terms add exact zeros,
+        so both forms give the same sums (up to the expert matmuls' row count)."""
         c = self.cfg
         logits = x.float() @ self.gate.weight.float().t()
         weights, ids = route(logits, getattr(self.gate, "e_score_correction_bias", None),
@@ -84,9 +88,15 @@ class MoE(nn.Module):
                              c.moe_router_activation_func, c.moe_renormalize,
                              c.routed_scaling_factor)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in ids.unique().tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            out.index_add_(0, tok, self.experts[e](x[tok]).float() * weights[tok, slot, None])
+        if dense:
+            w = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype,
+                            device=x.device).scatter_(1, ids, weights)
+            for e, expert in enumerate(self.experts):
+                out += expert(x).float() * w[:, e, None]
+        else:
+            for e in ids.unique().tolist():
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                out.index_add_(0, tok, self.experts[e](x[tok]).float() * weights[tok, slot, None])
         if hasattr(self, "shared_experts"):
             out += self.shared_experts(x).float()
         return self.tp.all_reduce(out).to(x.dtype)
