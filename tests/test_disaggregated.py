@@ -215,3 +215,30 @@ def test_decode_refuses_dcp_and_impossible_topologies_clearly():
     with pytest.raises(ValueError, match="DCP > 1 is not supported"):
         DecodeInstance("d", LocalRanks([object()]), LAYOUT, set(), Topology(1, 1)) and \
             DecodeInstance("d", type("G", (), {"size": 2})(), LAYOUT, set(), Topology(2, 2))
+
+
+def test_decode_side_ids_may_differ_from_the_source_ids():
+    """vLLM numbers its requests itself, so a handle's request_id (ours) and its manifest's (the
+    source's) differ; decode must key the request by ours, and the source must still hear (by its
+    own id) that it was read. (Verify mode is off: the reference prefill rank looks digests up by
+    the handle's id, which this test renames.)"""
+    import msgspec
+    config = preset("tiny")
+    want = monolithic(config, PROMPTS[:2], PARAMS[:2])
+    pair = Pair(config, "-ids", verify=False)
+    try:
+        handles = [msgspec.structs.replace(h, request_id=f"client-{i}")
+                   for i, h in enumerate(pair.handles(PROMPTS[:2], PARAMS[:2]))]
+        assert all(h.manifest.request_id != h.request_id for h in handles)
+        seqs = [pair.decode.admit(h) for h in handles]
+        assert sorted(pair.rank.tables) == ["client-0", "client-1"]
+        while running := [s for s in seqs if not s.finished]:
+            pair.decode.decode(running)
+        assert [s.output for s in seqs] == want
+        for s in seqs:
+            pair.decode.release(s)
+        assert pair.rank.pools.empty
+        pair.drain()
+        assert not pair.prefill.seqs, "the source was not told (by its own id) that it was read"
+    finally:
+        pair.close()

@@ -23,6 +23,10 @@ POLL_S = 0.0005  # between completion checks; keeps a CPU core mostly free while
 # COARSE descriptors. Measured on DRAM (UCX over CMA): 73 KB descriptors move ~20 % slower than
 # >= 1 MB ones, and at 128K context the per-unit index lists were most of the control time.
 COARSE = 16
+# On VRAM each descriptor is a CUDA-IPC copy with ~9 us of fixed cost (H200: 1,096 descriptors of
+# ~1 MB moved 1.1 GB at 115 GB/s), so longer spans should pay there; a 256-unit span failed in
+# post_reads on the H200 (not yet diagnosed), so VRAM keeps the DRAM span for now.
+COARSE_VRAM = 16
 PROGRESS_DELAY_US = 200  # NIXL's progress thread sleep between polls (see _calm_progress_thread)
 
 
@@ -91,6 +95,7 @@ class RankAgent:
             # and a READ then falls back to TCP emulation (measured 0.45 GB/s on the H200).
             # UCX reads this when the agent's context is created; a user's setting wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+        self.coarse = COARSE_VRAM if self.mem == "VRAM" else COARSE
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         self._registered = self.agent.register_memory(
             [(a, n, self.device, "") for a, n in _merge(regions.addresses())], self.mem)
@@ -176,16 +181,16 @@ class RankAgent:
     def _indices(self, peer: _Peer, kind: str, local_kind: str, unit: int, span: int,
                  reads: list[Read]) -> tuple[object, list[int], object, list[int]]:
         """(local handle, local indices, remote handle, remote indices) for the pieces of
-        `reads` that `span`-unit descriptors cover: with span COARSE, the leading whole multiples
-        of COARSE units of each read; with span 1, the rest."""
-        if span > 1 and all(r.length < COARSE * unit for r in reads):
+        `reads` that `span`-unit descriptors cover: with span `self.coarse`, the leading whole
+        multiples of it of each read; with span 1, the rest."""
+        if span > 1 and all(r.length < span * unit for r in reads):
             return None, [], None, []  # no coarse list needed (or built) for this group
         lh, lbase = self._local(local_kind, unit, span)
         rh, rbase = self._remote(peer, kind, unit, span)
         lidx, ridx = [], []
         for r in reads:
             n = -(-r.length // unit)
-            coarse = n // COARSE * COARSE
+            coarse = n // self.coarse * self.coarse
             first, end = (0, coarse) if span > 1 else (coarse, n)
             l0 = lbase[r.layer] + r.dst_offset // unit
             r0 = rbase[r.layer] + r.src_offset // unit
@@ -211,7 +216,7 @@ class RankAgent:
                 if peer is None:
                     raise PeerLost(f"{self.name}: no connection to {src_instance} rank {src_rank}")
                 unit, local_kind = units[kind], "kda_conv_staging" if staged else kind
-                for span in (COARSE, 1):
+                for span in (self.coarse, 1):
                     t0 = time.perf_counter()
                     lh, lidx, rh, ridx = self._indices(peer, kind, local_kind, unit, span, rs)
                     if not lidx:

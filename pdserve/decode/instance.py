@@ -74,9 +74,10 @@ class DecodeInstance:
                                [p[1] for p in parts], [p[2] for p in parts])
         try:
             digests = self._digests(handle, alloc) if self.digests else [None] * self.ranks.size
-            self.ranks.call_each("receive", [(manifest, alloc, handle.instance, d) for d in digests])
+            self.ranks.call_each("receive", [(manifest, alloc, handle.instance, d, handle.request_id)
+                                             for d in digests])
         except Exception as exc:
-            self.ranks.call("abandon", manifest, alloc, handle.instance)
+            self.ranks.call("abandon", manifest, alloc, handle.instance, handle.request_id)
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"request {handle.request_id}: {type(exc).__name__}: {exc}") from exc

@@ -88,10 +88,14 @@ class DecodeRank:
             self.pools.slots.free(slots + stage)
 
     def receive(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str,
-                digests: dict[int, list[int]] | None = None) -> dict:
+                digests: dict[int, list[int]] | None = None, request_id: str | None = None
+                ) -> dict:
+        """Pull a request's state; it is then known here as `request_id` (the decode side's
+        id), which may differ from the source's own id in the manifest (vLLM numbers its
+        requests itself)."""
         lookup = None if digests is None else (lambda s, runs: digests[s])
         stats = self.dest.receive(manifest, alloc, src_instance, lookup)
-        self.tables[manifest.request_id] = BlockTable(
+        self.tables[request_id or manifest.request_id] = BlockTable(
             [alloc.latent_pages[self.rank]], alloc.slots[self.rank][0], [], manifest.num_tokens)
         for s in alloc.slots[self.rank][1:]:  # checkpoints are not needed to decode
             self.pools.slots.free([s])
@@ -121,10 +125,12 @@ class DecodeRank:
             self.pools.latent.free(table.latent_pages[0])
             self.pools.slots.free([table.kda_slot])
 
-    def abandon(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str) -> None:
+    def abandon(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str,
+                request_id: str | None = None) -> None:
         """A transfer that failed on another rank: free this rank's share, tell the source."""
-        if manifest.request_id in self.tables:
-            self.free(manifest.request_id)
+        key = request_id or manifest.request_id
+        if key in self.tables:
+            self.free(key)
         else:
             try:
                 self.dest.free(alloc)

@@ -11,6 +11,7 @@ vLLM is imported only when an engine is built (GPU machines); this module import
 """
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -97,6 +98,9 @@ class VllmPrefill:
     def __init__(self, instance: str, generation: int, cfg: VllmEngineConfig):
         from vllm import LLM  # GPU only; see module docstring
 
+        # vLLM forks its engine core by default, which fails in a process that has touched CUDA
+        # already (seen on the H200: "Cannot re-initialize CUDA in forked subprocess").
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.instance, self.generation, self.cfg = instance, generation, cfg
         self.config = load_config(cfg.model)
         self.llm = LLM(**engine_args(instance, generation, cfg))
