@@ -1,6 +1,7 @@
 """Real NIXL (UCX over DRAM) agents, one per rank, in one process: READs land exactly, verify mode
 catches a corrupted byte, leases and notifications free the source, restarted peers are evicted."""
 import threading
+import time
 
 import pytest
 import torch
@@ -139,6 +140,31 @@ def test_lease_expiry_frees_the_source_and_digests_refuse_afterwards():
         assert c.released == ["req-7"] and src.metrics.snapshot().lease_expiries == 1
         with pytest.raises(LeaseExpired, match="no live lease"):
             src.digests("req-7", [])
+    finally:
+        c.close()
+
+
+def test_done_and_cancel_before_the_hold_free_the_state_when_it_is_held():
+    """vLLM's worker learns of a finished request one engine step late: a real READ + "done"
+    (over NIXL) or a cancel may come first, and must free the state once it is held."""
+    c = Cluster(TINY, 1, Topology(1), StateLayout(), tag="-early")
+    try:
+        src, rid = c.src[0], c.manifest.request_id
+        src.leases.clear()                      # as if the hold had not reached this rank yet
+        c.receive_all()                         # the decode side reads and says "done"
+        deadline = time.monotonic() + 5
+        while rid not in src._early and time.monotonic() < deadline:
+            assert src.poll() == []             # nothing held: nothing freed yet
+            time.sleep(0.005)
+        assert c.released == []
+        src.hold(rid, lease_s=30)               # the hold arrives: freed at once
+        assert c.released == [rid] and rid not in src.leases
+        assert src.poll() == [("freed", rid)]
+        src.cancel("later-0")                   # cancelled before its hold
+        src.hold("later-0", lease_s=30)
+        assert c.released == [rid, "later-0"] and src.poll() == [("cancelled", "later-0")]
+        src.hold("later-1", lease_s=30)         # an ordinary hold is unaffected
+        assert "later-1" in src.leases
     finally:
         c.close()
 
