@@ -403,10 +403,16 @@ def held_ids(pre: Child) -> set[str]:
     return {r for rank in pre.call("held") for r in rank}
 
 
+# vLLM 0.26's MLA prefill backends accept only Kimi's MLA geometry (seen on the H200: "No valid
+# MLA prefill backend ... got (qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)"), so the
+# tiny model keeps its 4 layers / 128 hidden / byte vocabulary and takes Kimi's MLA head dims.
+TINY_VLLM = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from pdserve.model.config import preset
-    return export_model(preset("tiny"), str(tmp_path_factory.mktemp("tiny-hf")))
+    return export_model(preset("tiny", **TINY_VLLM), str(tmp_path_factory.mktemp("tiny-hf")))
 
 
 @pytest.fixture(scope="module")
