@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_type_hints
 
 import msgspec
 
-from pdserve.model.config import ConfigError, ModelConfig, load_model_config
+from pdserve.model.config import PRESETS, ConfigError, ModelConfig, load_model_config
 from pdserve.state.block_table import Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 from pdserve.transfer.errors import TopologyError
@@ -52,6 +52,7 @@ class DecodeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_pages: int = 256
     num_slots: int = 65
     conv_layout: Literal["SD", "DS"] = "SD"
+    cuda_graphs: bool = False        # capture the decode step per batch bucket (GPU, TP 1)
 
 
 class TransferSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,8 +121,13 @@ def validate(cfg: ServeConfig) -> ModelConfig:
         except ValueError as exc:
             raise ConfigError(f"state.{field}", str(exc)) from None
     if cfg.prefill.engine == "vllm":
-        raise ConfigError("prefill.engine", "the vllm engine is not available in this build yet; "
-                          "use 'reference'")
+        raise ConfigError("prefill.engine", "the vllm engine (pdserve.prefill.vllm_engine, "
+                          "docs/vllm.md) is not wired into `pdserve serve` yet; use 'reference'")
+    if cfg.decode.cuda_graphs and cfg.device != "cuda":
+        raise ConfigError("decode.cuda_graphs", "needs GPUs (resources.gpus_per_rank > 0)")
+    if cfg.decode.cuda_graphs and cfg.decode.tp > 1:
+        raise ConfigError("decode.cuda_graphs", f"capture is implemented for decode.tp = 1 only, "
+                          f"got {cfg.decode.tp}")
     if cfg.decode.dcp not in (1, cfg.decode.tp):
         raise ConfigError("decode.dcp", f"must be 1 or decode.tp={cfg.decode.tp}, got {cfg.decode.dcp}")
     if cfg.decode.dcp > 1:
@@ -129,6 +135,10 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                           "runtime yet (transfer supports it); use 1")
     if cfg.decode.num_slots < 2:
         raise ConfigError("decode.num_slots", "needs at least 2 (slot 0 is padding)")
+    name = cfg.model.name
+    if name not in PRESETS and not Path(name).exists():
+        raise ConfigError("model.name", f"{name!r} is neither a preset ({', '.join(PRESETS)}) "
+                          "nor an existing model directory or config.json")
     try:
         model = cfg.model_config()
     except ConfigError as exc:
@@ -160,8 +170,19 @@ def load_serve_config(path: str | Path | None = None) -> tuple[ServeConfig, Mode
     except msgspec.ValidationError as exc:
         msg, _, where = str(exc).partition(" - at `$.")
         field = where.rstrip("`") or (msg.split("`")[1] if "`" in msg else "?")
-        raise ConfigError(field, msg) from None
+        raise ConfigError(field, msg + _allowed(field)) from None
     return cfg, validate(cfg)
+
+
+def _allowed(field: str) -> str:
+    """' (one of ...)' for a Literal-typed `section.field`, else ''."""
+    section, _, name = field.partition(".")
+    try:
+        sec = get_type_hints(ServeConfig)[section]
+        args = get_args(get_type_hints(sec)[name])
+    except (KeyError, TypeError):
+        return ""
+    return f" (one of: {', '.join(map(str, args))})" if args else ""
 
 
 def describe(cfg: ServeConfig, model: ModelConfig) -> str:

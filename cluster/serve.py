@@ -63,7 +63,8 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
                 "decode", f"decode-{i}", 0, cfg.decode.tp,
                 dict(common, layout=cfg.layout(cfg.decode.conv_layout),
                      num_pages=cfg.decode.num_pages, num_slots=cfg.decode.num_slots,
-                     backend=cfg.decode.backend, transfer=transfer),
+                     backend=cfg.decode.backend, transfer=transfer,
+                     cuda_graphs=cfg.decode.cuda_graphs),
                 res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
     except Exception:
         for inst in prefill + decode:

@@ -221,3 +221,18 @@ def _poll_until(src, cond, timeout=5.0):
             return ev
         time.sleep(0.01)
     return []
+
+
+def test_regions_too_large_to_prepare_use_per_request_lists(monkeypatch):
+    """Past MAX_PREPARED entries (vLLM's whole cache in small units) a request's reads get their
+    own descriptor list; the bytes land exactly as with prepared lists (here 2 -> 1 resharding)."""
+    from pdserve.transfer import nixl_agent
+    monkeypatch.setattr(nixl_agent, "MAX_PREPARED", 0)
+    c = Cluster(TINY, 2, Topology(1), StateLayout(), tag="-perreq")
+    try:
+        stats = c.receive_all()
+        assert stats[0]["descriptors"] == stats[0]["runs"]  # one entry per coalesced read
+        assert not c.dst[0].agent._local_dlists          # nothing was prepared
+        c.check_exact()
+    finally:
+        c.close()

@@ -27,6 +27,9 @@ COARSE = 16
 # ~1 MB moved 1.1 GB at 115 GB/s), so longer spans should pay there; a 256-unit span failed in
 # post_reads on the H200 (not yet diagnosed), so VRAM keeps the DRAM span for now.
 COARSE_VRAM = 16
+# Entries a prepared list may have. A source whose regions need more (vLLM's whole KV cache in
+# 16 KB units: millions) gets a descriptor list per request instead, one entry per read.
+MAX_PREPARED = 1 << 20
 PROGRESS_DELAY_US = 200  # NIXL's progress thread sleep between polls (see _calm_progress_thread)
 
 
@@ -198,11 +201,41 @@ class RankAgent:
             ridx += range(r0 + first, r0 + end, span)
         return lh, lidx, rh, ridx
 
+    def _prepped(self, peer: _Peer, kind: str, local_kind: str, unit: int, span: int,
+                 reads: list[Read]) -> tuple[object, int, int] | None:
+        """A READ indexing the prepared `span` lists: (handle, descriptors, bytes), or None
+        when no piece of `reads` has that span."""
+        lh, lidx, rh, ridx = self._indices(peer, kind, local_kind, unit, span, reads)
+        if not lidx:
+            return None
+        return (self.agent.make_prepped_xfer("READ", lh, lidx, rh, ridx, b""), len(lidx),
+                len(lidx) * unit * span)
+
+    def _too_many(self, peer: _Peer, kind: str, local_kind: str, unit: int) -> bool:
+        count = lambda regions, k: sum(n // unit for _, n in regions[k])
+        return max(count(self.regions.addresses(), local_kind),
+                   count(peer.info.regions, kind)) > MAX_PREPARED
+
+    def _per_request(self, peer: _Peer, kind: str, local_kind: str, unit: int,
+                     reads: list[Read]) -> tuple[object, int, int]:
+        """A READ over descriptor lists made for these reads (one entry per read, whole units
+        as in the prepared path): (handle, descriptors, bytes)."""
+        local, remote = self.regions.addresses()[local_kind], peer.info.regions[kind]
+        ldescs, rdescs = [], []
+        for r in reads:
+            n = -(-r.length // unit) * unit
+            ldescs.append((local[r.layer][0] + r.dst_offset, n, self.device))
+            rdescs.append((remote[r.layer][0] + r.src_offset, n, peer.info.device))
+        handle = self.agent.initialize_xfer(
+            "READ", self.agent.get_xfer_descs(ldescs, self.mem),
+            self.agent.get_xfer_descs(rdescs, peer.info.mem), peer.info.name, b"")
+        return handle, len(ldescs), sum(d[1] for d in ldescs)
+
     # -- reads ------------------------------------------------------------------------------
     def post_reads(self, src_instance: str, reads: list[Read], units: dict[str, int]
                    ) -> tuple[list[tuple[str, object, int]], float, int]:
-        """Post up to two READs (coarse and unit descriptors) per (source rank, kind, staged)
-        group. Returns the posted (kind, handle, bytes), the seconds spent preparing them
+        """Post up to two READs (coarse and unit descriptors; one over per-request lists where
+        prepared lists would be too large) per (source rank, kind, staged) group. Returns the posted (kind, handle, bytes), the seconds spent preparing them
         (descriptor indices and handles: the control cost; UCX may move data inside the post
         itself) and the number of descriptors."""
         prep, descriptors = 0.0, 0
@@ -216,14 +249,19 @@ class RankAgent:
                 if peer is None:
                     raise PeerLost(f"{self.name}: no connection to {src_instance} rank {src_rank}")
                 unit, local_kind = units[kind], "kda_conv_staging" if staged else kind
-                for span in (self.coarse, 1):
+                if self._too_many(peer, kind, local_kind, unit):
+                    makers = [lambda: self._per_request(peer, kind, local_kind, unit, rs)]
+                else:
+                    makers = [lambda span=span: self._prepped(peer, kind, local_kind, unit, span, rs)
+                              for span in (self.coarse, 1)]
+                for make in makers:
                     t0 = time.perf_counter()
-                    lh, lidx, rh, ridx = self._indices(peer, kind, local_kind, unit, span, rs)
-                    if not lidx:
+                    made = make()
+                    if made is None:
                         continue
-                    handle = self.agent.make_prepped_xfer("READ", lh, lidx, rh, ridx, b"")
-                    posted.append((kind, handle, len(lidx) * unit * span))
-                    descriptors += len(lidx)
+                    handle, n, nbytes = made
+                    posted.append((kind, handle, nbytes))
+                    descriptors += n
                     prep += time.perf_counter() - t0
                     if self.agent.transfer(handle) == "ERR":
                         raise PeerLost(f"{self.name}: posting a read from {peer.info.name} failed")
