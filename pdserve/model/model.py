@@ -43,7 +43,11 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn(h, batch, pools.latent, cache_index)
         h = self.post_attention_layernorm(x)
         if hasattr(self, "block_sparse_moe"):
-            return x + self.block_sparse_moe(h, dense=isinstance(batch, DecodeBatch))
+            # GPU decode steps run the static-shape (dense) MoE so an eager step equals its
+            # CUDA-graph replay; on the CPU the sparse form does top_k/E of the expert work
+            # (tiny decode step, B = 1: 6.4 -> 3.9 ms; benchmarks/results/decode_cpu.json).
+            dense = isinstance(batch, DecodeBatch) and x.is_cuda
+            return x + self.block_sparse_moe(h, dense=dense)
         return x + self.mlp(h)
 
 
