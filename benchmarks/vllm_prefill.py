@@ -26,20 +26,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+
+from pdserve.model.weights import export_checkpoint  # noqa: E402
+from pdserve.prefill.child import Child, serve_child  # noqa: E402
 
 COPY_CEILING_GBPS = 4245.0   # H200 device copy, counted as read + write (shared/device/README.md)
 NAME = "vllm_prefill_h200"
@@ -102,31 +103,6 @@ def table(rows: list[dict]) -> str:
 
 
 # == child processes ===============================================================================
-def _serve(conn, name: str, build, env: dict) -> None:
-    """Child loop: build (reply "ready"), then (cmd, args) -> ("ok", result) | ("error", stage,
-    traceback) until "stop"; a failed build ends the child."""
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
-    try:
-        handlers = build()
-        conn.send(("ready", None))
-    except BaseException:
-        conn.send(("error", f"{name}: start-up", traceback.format_exc()))
-        return
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "stop":
-            try:
-                handlers.get("close", lambda: None)()
-            finally:
-                conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", handlers[cmd](*args)))
-        except BaseException:
-            conn.send(("error", f"{name}: {cmd}", traceback.format_exc()))
-
-
 def prefill_main(conn, cfg: dict, vocab: int, env: dict) -> None:
     def build():
         t_start = time.perf_counter()
@@ -190,7 +166,7 @@ def prefill_main(conn, cfg: dict, vocab: int, env: dict) -> None:
                                                       for i in infos]),
                 "held": lambda: eng._rpc("pdserve_held"), "close": eng.close}
 
-    _serve(conn, "vllm-prefill", build, env)
+    serve_child(conn, "vllm-prefill", build, env)
 
 
 def decode_main(conn, model_dir: str, layout: dict, num_pages: int, num_slots: int,
@@ -257,77 +233,11 @@ def decode_main(conn, model_dir: str, layout: dict, num_pages: int, num_slots: i
         return {"info": lambda: msgspec.msgpack.encode(dst.agent.info()), "connect": connect,
                 "receive": receive, "copy": copy, "close": dst.agent.close}
 
-    _serve(conn, "pdserve-decode", build, env)
-
-
-class Child:
-    """A spawned child and its pipe; replies have deadlines, failures name the stage."""
-
-    def __init__(self, name: str, target, *args, start_s: float):
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, end = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(end, *args), name=name)  # vLLM forks its own
-        stage(f"starting {name}")
-        t0 = time.monotonic()
-        self.proc.start()
-        end.close()
-        try:
-            self._reply("start-up", start_s)
-        except BaseException:
-            self.close(ask=False)
-            raise
-        stage(f"{name} ready in {time.monotonic() - t0:.1f} s")
-
-    def call(self, cmd: str, *args, timeout: float = 300.0):
-        self.conn.send((cmd, args))
-        return self._reply(cmd, timeout)
-
-    def _reply(self, what: str, timeout: float):
-        end = time.monotonic() + timeout
-        while not self.conn.poll(1.0):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"[{self.name}] died during {what!r} (exit code {self.proc.exitcode})")
-            if time.monotonic() > end:
-                raise RuntimeError(f"[{self.name}] no reply to {what!r} within {timeout:.0f} s")
-        try:
-            kind, *rest = self.conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(f"[{self.name}] died during {what!r} (exit code {self.proc.exitcode})") from None
-        if kind == "error":
-            raise RuntimeError(f"[{self.name}] failed at stage {rest[0]!r}:\n{rest[1]}")
-        return rest[0]
-
-    def close(self, ask: bool = True) -> None:
-        if ask and self.proc.is_alive():
-            try:
-                self.conn.send(("stop", ()))
-                self._reply("stop", 120)
-            except Exception as exc:
-                print(f"[{self.name}] did not stop cleanly: {exc}", flush=True)
-        self.proc.join(120 if ask else 5)
-        for kill in (self.proc.terminate, self.proc.kill):
-            if self.proc.is_alive():
-                kill()
-                self.proc.join(15)
+    serve_child(conn, "pdserve-decode", build, env)
 
 
 def stage(msg: str) -> None:
     print(f"== {msg}", flush=True)
-
-
-def export_model(config, out: str) -> str:
-    """Seeded bf16 weights as the HF directory vLLM loads (the functions `pdserve export` calls)."""
-    import torch
-
-    from pdserve.model.model import HybridModel
-    from pdserve.model.weights import full_state, save_checkpoint
-
-    with torch.device("meta"):
-        model = HybridModel(config, None, torch.bfloat16)
-    save_checkpoint(out, config, full_state(model, SEED))
-    return out
 
 
 # == main ==========================================================================================
@@ -363,7 +273,7 @@ def main() -> int:
         stage(f"export reduced kimi-linear-48b-a3b ({args.layers} layers, {args.experts} experts, "
               f"vocab {args.vocab}) to {model_dir}")
         t0 = time.perf_counter()
-        export_model(config, model_dir)
+        export_checkpoint(model_dir, config, seed=SEED)
         stage(f"exported in {time.perf_counter() - t0:.1f} s")
         cfg = dict(model=model_dir, max_model_len=max_len, gpu_memory_utilization=args.gpu_mem,
                    num_gpu_blocks=args.num_gpu_blocks, enforce_eager=True, lease_s=120.0,

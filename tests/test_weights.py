@@ -73,3 +73,24 @@ def test_bad_checkpoints_name_the_tensor(tmp_path):
 def test_k3_parses_but_refuses_unimplemented_features():
     with pytest.raises(NotSupportedYet, match="AttnRes.*latent MoE.*SiTU"):
         HybridModel(preset("kimi-k3"))
+
+
+def test_export_checkpoint_without_a_model_equals_the_seeded_model(tmp_path):
+    """`export_checkpoint` (meta-device model, what the vLLM runs load) writes exactly the seeded
+    weights a model built in memory has, in the asked dtype (parameters kept in fp32 whatever the
+    model dtype, e.g. A_log, stay fp32)."""
+    import torch
+
+    from pdserve.model.config import preset
+    from pdserve.model.generate import build_model
+    from pdserve.model.weights import export_checkpoint
+
+    config = preset("tiny")
+    out = export_checkpoint(tmp_path / "hf", config, seed=4, dtype=torch.bfloat16)
+    loaded = build_model(config, checkpoint=str(out))
+    seeded = build_model(config, seed=4)
+    written = load_file(str(out / WEIGHTS_FILE))
+    for (name, a), (_, b) in zip(loaded.named_parameters(), seeded.named_parameters()):
+        assert written[name].dtype in (torch.bfloat16, torch.float32), name
+        assert torch.equal(a.float(), b.to(written[name].dtype).float()), name
+    assert any(t.dtype == torch.bfloat16 for t in written.values())

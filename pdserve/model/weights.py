@@ -116,3 +116,15 @@ def load_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
                     raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model "
                                      f"shape {p.full_shape}")
                 p.data.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
+
+
+def export_checkpoint(directory: str | Path, config, seed: int = 0,
+                      dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Seeded weights of `config` as an HF directory in `dtype`, without building the model's
+    tensors (a meta-device model gives names, shapes and init kinds). bf16 by default: vLLM casts
+    to bf16 on load, so both engines then see the same values."""
+    from pdserve.model.model import HybridModel
+
+    with torch.device("meta"):
+        model = HybridModel(config, None, dtype)
+    return save_checkpoint(directory, config, full_state(model, seed))

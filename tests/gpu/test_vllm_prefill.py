@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import multiprocessing as mp
 import os
 import random
 import time
-import traceback
 
 import msgspec
 import pytest
 import torch
+
+from pdserve.model.weights import export_checkpoint
+from pdserve.prefill.child import Child, serve_child
 
 SEED = 7
 GPU_MEM = 0.3             # of the GPU for each vLLM engine, so a decode process fits beside it
@@ -112,49 +113,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def export_model(config, out: str) -> str:
-    """Seeded weights of `config` as an HF directory, through the functions `pdserve export` calls
-    (bf16, so vLLM's bf16 cast and pdserve's bf16/fp32 load see the same values)."""
-    from pdserve.model.model import HybridModel
-    from pdserve.model.weights import full_state, save_checkpoint
-
-    with torch.device("meta"):  # only names, shapes, init kinds and dtypes are needed
-        model = HybridModel(config, None, torch.bfloat16)
-    save_checkpoint(out, config, full_state(model, SEED))
-    return out
-
-
 # == child processes ===============================================================================
-def _serve(conn, name: str, build, env: dict) -> None:
-    """Child main loop: build the object (reply "ready"), then run (cmd, args) until "stop".
-    Errors go back as ("error", stage, traceback); a failed build ends the child."""
-    for k, v in env.items():
-        os.environ.setdefault(k, v)
-    stage = f"{name}: start-up"
-    try:
-        handlers = build()
-        conn.send(("ready", None))
-    except BaseException:
-        conn.send(("error", stage, traceback.format_exc()))
-        return
-    while True:
-        cmd, args = conn.recv()
-        if cmd == "stop":
-            closer = handlers.get("close")
-            if closer is not None:
-                try:
-                    closer()
-                except Exception:
-                    traceback.print_exc()
-            conn.send(("ok", None))
-            return
-        stage = f"{name}: {cmd}"
-        try:
-            conn.send(("ok", handlers[cmd](*args)))
-        except BaseException:
-            conn.send(("error", stage, traceback.format_exc()))
-
-
 def reference_main(conn, model_dir: str, llm_kwargs: dict, env: dict) -> None:
     """Plain `vllm.LLM` (no connector): vLLM's own monolithic generation."""
     def build():
@@ -179,7 +138,7 @@ def reference_main(conn, model_dir: str, llm_kwargs: dict, env: dict) -> None:
 
         return {"generate": generate}
 
-    _serve(conn, "vllm-reference", build, env)
+    serve_child(conn, "vllm-reference", build, env)
 
 
 def prefill_main(conn, instance: str, cfg: dict, env: dict) -> None:
@@ -210,7 +169,7 @@ def prefill_main(conn, instance: str, cfg: dict, env: dict) -> None:
                 "held": lambda: eng._rpc("pdserve_held"),
                 "close": eng.close}
 
-    _serve(conn, "vllm-prefill", build, env)
+    serve_child(conn, "vllm-prefill", build, env)
 
 
 def decode_main(conn, model_dir: str, layout: dict, dtype: str, num_pages: int, num_slots: int,
@@ -263,75 +222,7 @@ def decode_main(conn, model_dir: str, layout: dict, dtype: str, num_pages: int, 
                                                        for i in infos]),
                 "run": run, "close": rank.close}
 
-    _serve(conn, "pdserve-decode", build, env)
-
-
-class ChildFailed(AssertionError):
-    pass
-
-
-class Child:
-    """A spawned child and its pipe; every reply has a deadline and names the failing stage."""
-
-    def __init__(self, name: str, target, *args, start_s: float = START_S):
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, child_end = ctx.Pipe()
-        # not a daemon: vLLM starts processes of its own
-        self.proc = ctx.Process(target=target, args=(child_end, *args), name=name)
-        print(f"[{name}] starting", flush=True)
-        t0 = time.monotonic()
-        self.proc.start()
-        child_end.close()
-        try:
-            self._reply("start-up", start_s)
-        except BaseException:
-            self.close(ask=False)  # it failed or hangs: nothing to ask
-            raise
-        print(f"[{name}] ready in {time.monotonic() - t0:.1f} s", flush=True)
-
-    def call(self, cmd: str, *args, timeout: float = CALL_S):
-        self.conn.send((cmd, args))
-        return self._reply(cmd, timeout)
-
-    def _reply(self, what: str, timeout: float):
-        end = time.monotonic() + timeout
-        while not self.conn.poll(1.0):
-            if not self.proc.is_alive():
-                raise ChildFailed(f"[{self.name}] died during {what!r} (exit code "
-                                  f"{self.proc.exitcode}); its output is above")
-            if time.monotonic() > end:
-                raise ChildFailed(f"[{self.name}] no reply to {what!r} within {timeout:.0f} s")
-        try:
-            kind, *rest = self.conn.recv()
-        except EOFError:  # the child closed its end: it died
-            self.proc.join(5)
-            raise ChildFailed(f"[{self.name}] died during {what!r} (exit code "
-                              f"{self.proc.exitcode}); its output is above") from None
-        if kind == "error":
-            raise ChildFailed(f"[{self.name}] failed at stage {rest[0]!r}:\n{rest[1]}")
-        return rest[0]
-
-    def close(self, timeout: float = 120.0, ask: bool = True) -> None:
-        if ask and self.proc.is_alive():
-            try:
-                self.conn.send(("stop", ()))
-                self._reply("stop", timeout)
-            except Exception as exc:
-                print(f"[{self.name}] did not stop cleanly: {exc}", flush=True)
-        self.proc.join(timeout if ask else 5)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    serve_child(conn, "pdserve-decode", build, env)
 
 
 # == orchestration helpers =========================================================================
@@ -412,14 +303,15 @@ TINY_VLLM = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_l
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from pdserve.model.config import preset
-    return export_model(preset("tiny", **TINY_VLLM), str(tmp_path_factory.mktemp("tiny-hf")))
+    return export_checkpoint(str(tmp_path_factory.mktemp("tiny-hf")), preset("tiny", **TINY_VLLM),
+                             seed=SEED)
 
 
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory):
     from pdserve.model.config import reduced_kimi_linear
     config = reduced_kimi_linear(num_layers=4, num_experts=4, top_k=2, vocab_size=1024)
-    return export_model(config, str(tmp_path_factory.mktemp("kimi-hf")))
+    return export_checkpoint(str(tmp_path_factory.mktemp("kimi-hf")), config, seed=SEED)
 
 
 # == tests =========================================================================================
