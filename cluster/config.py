@@ -73,6 +73,7 @@ class ResourcesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     torch_threads: int = 0           # per rank; 0 = the rank's CPU share rounded up
+    prefill_idle_threads: int = 0    # prefill threads while no decode has work (0 = off)
     call_timeout_s: float = 120.0    # any single call to a rank actor
 
 
@@ -113,6 +114,10 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                  "resources.call_timeout_s"):
         section, field = name.split(".")
         _positive(name, getattr(getattr(cfg, section), field))
+    for field in ("torch_threads", "prefill_idle_threads"):
+        if getattr(cfg.resources, field) < 0:
+            raise ConfigError(f"resources.{field}", f"must be >= 0, got "
+                              f"{getattr(cfg.resources, field)}")
     if not 0 < cfg.api.port < 65536:
         raise ConfigError("api.port", f"must be in 1..65535, got {cfg.api.port}")
     for field in ("latent_dtype", "recurrent_dtype", "conv_dtype"):

@@ -44,8 +44,12 @@ class PrefillQueue:
     """Batches requests for one prefill instance: a worker thread takes whatever is queued
     (up to `max_batch`) and runs one prefill call for all of it."""
 
-    def __init__(self, inst: Instance, max_batch: int = 16):
+    def __init__(self, inst: Instance, max_batch: int = 16, idle_threads: int = 0,
+                 decode_idle=lambda: False):
+        # idle_threads: torch threads for a prefill call made while no decode instance has work
+        # (ranks sharing one host's cores; 0 = the rank's own setting always)
         self.inst, self.max_batch = inst, max_batch
+        self.idle_threads, self.decode_idle = idle_threads, decode_idle
         self.pending_tokens = 0
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"prefill-{inst.name}")
@@ -77,7 +81,8 @@ class PrefillQueue:
                 batch.append(nxt)
             reqs = [r for r, _ in batch]
             try:
-                results = self.inst.ranks.call("prefill", reqs, self.inst.agents)[0]
+                threads = self.idle_threads if self.idle_threads and self.decode_idle() else None
+                results = self.inst.ranks.call("prefill", reqs, self.inst.agents, threads)[0]
                 for (_, fut), res in zip(batch, results):
                     fut.set_result(res)
             except Exception as exc:
@@ -98,9 +103,10 @@ class DecodeSlot:
 
 class Router:
     def __init__(self, model_name: str, max_context: int, prefill: list[Instance],
-                 decode: list[DecodeSlot], max_queue: int = 256):
+                 decode: list[DecodeSlot], max_queue: int = 256, prefill_idle_threads: int = 0):
         self.model_name, self.max_context = model_name, max_context
-        self.prefill = [PrefillQueue(p) for p in prefill]
+        self.prefill = [PrefillQueue(p, idle_threads=prefill_idle_threads,
+                                     decode_idle=self._decode_idle) for p in prefill]
         self.decode = decode
         self.max_queue = max_queue
         self.in_flight = 0
@@ -247,6 +253,9 @@ class Router:
                 await asyncio.sleep(0.05)
                 continue
             return res.handle
+
+    def _decode_idle(self) -> bool:
+        return all(d.batcher.running == 0 and d.batcher.queued == 0 for d in self.decode)
 
     def _pick_decode(self) -> DecodeSlot | None:
         live = [d for d in self.decode if d.inst.alive]

@@ -90,7 +90,8 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
         slots.append(DecodeSlot(d, engine, min(cfg.decode.max_batch, cfg.decode.num_slots - 1),
                                 cfg.api.max_queue))
     max_context = min(cfg.prefill.num_pages - 1, cfg.decode.num_pages - 1) * cfg.state.page_tokens
-    router = Router(cfg.model.name, max_context, prefill, slots, cfg.api.max_queue)
+    router = Router(cfg.model.name, max_context, prefill, slots, cfg.api.max_queue,
+                    cfg.resources.prefill_idle_threads)
     router.instances = prefill + decode
     return router
 

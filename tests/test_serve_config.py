@@ -30,6 +30,7 @@ def test_shipped_configs_validate(path):
     ("[decode]\nnum_slots = 1\n", "decode.num_slots", "slot 0"),
     ("[model]\nname = \"gpt-9\"\n", "model.name", "gpt-9"),
     ("[decode]\nbatch = 4\n", "decode", "batch"),
+    ("[resources]\nprefill_idle_threads = -1\n", "resources.prefill_idle_threads", ">= 0"),
 ])
 def test_bad_fields_are_named(tmp_path, toml, field, words):
     path = tmp_path / "bad.toml"

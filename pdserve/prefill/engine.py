@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import msgspec
+import torch
 
 from pdserve.model.generate import ReferenceEngine, Sequence, build_model
 from pdserve.model.parallel import TPGroup
@@ -57,9 +58,21 @@ class PrefillRank:
         for info in infos:
             self.source.agent.connect(info)
 
-    def prefill(self, requests: list[Request], agents: list[AgentInfo]) -> list[PrefillResult]:
+    def prefill(self, requests: list[Request], agents: list[AgentInfo],
+                threads: int | None = None) -> list[PrefillResult]:
         """Prefill `requests` together; `agents` are this instance's rank agents (for handles).
-        A request that cannot be admitted gets an error result; the others proceed."""
+        A request that cannot be admitted gets an error result; the others proceed. `threads`:
+        torch threads for this call only (the owner knows when the host's other ranks idle)."""
+        if not threads:
+            return self._prefill(requests, agents)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self._prefill(requests, agents)
+        finally:
+            torch.set_num_threads(before)
+
+    def _prefill(self, requests: list[Request], agents: list[AgentInfo]) -> list[PrefillResult]:
         admitted, results = [], {}
         for req in requests:
             one_token = msgspec.structs.replace(req.params, max_tokens=1)
