@@ -136,13 +136,16 @@ def _chunk_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                       state: Tensor, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+                       state: Tensor, chunk_size: int = 16) -> tuple[Tensor, Tensor]:
     """Chunk-parallel form of `delta_rule_recurrent` (same shapes and result).
 
     Processes chunks of `chunk_size` tokens (the last one may be partial;
     T=0 returns an empty o and a copy of the state). Only exponentiates
     non-positive log decays, so it is safe for arbitrarily strong gates.
-    Memory is O(H * chunk_size^2 * K) per chunk.
+    Memory and the pairwise-decay work are O(H * chunk_size^2 * K) per chunk, i.e. linear in
+    chunk_size per token: 16 ran 5.7x faster than 64 on the CPU at kimi-linear head shapes
+    (576 tokens, 8 heads, K = V = 128: 118 vs 676 ms) with the same error against the float64
+    recurrence (3.3e-7).
     """
     T, H, _ = q.shape
     V = v.shape[-1]
