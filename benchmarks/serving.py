@@ -1,13 +1,13 @@
-"""Serving benchmark: `pdserve bench`'s load generator (`run_bench`) against an in-process server
-on the tiny preset, with a small agentic workload (one shared prefix + a random suffix per
-request; 512 + 64 tokens instead of an agent's thousands, for the CPU).
+"""Serving benchmark: `pdserve bench`'s load generator (`run_bench`) against the monolithic
+baseline (`LocalBackend`: prefill and decode in one reference engine) and against the default
+disaggregated cluster (what `pdserve serve` starts: 1 prefill + 1 decode instance on local Ray),
+tiny preset, a small agentic workload (one shared prefix + a random suffix per request; 512 + 64
+tokens instead of an agent's thousands, for the CPU). Writes
+`results/serving_{monolithic,disaggregated,overhead}_cpu.{json,png}`.
 
-This runs the monolithic baseline (`LocalBackend`: prefill and decode in one engine) and writes
-`results/serving_monolithic_cpu.{json,png}`. `run_server_and_bench` takes any backend factory, so
-the disaggregated side runs the same workload through the same code.
-
-The server runs in a thread of this process, so client and server share the CPU (2 cores here):
-compare backends within one machine and one run setup, not across machines.
+Each server runs in a process of its own and the load generator in this one, so neither server
+shares the generator's GIL; all of them share the CPU (2 cores here): compare backends within one
+machine and one run setup, not across machines.
 
     python benchmarks/serving.py [--concurrency 1 2 4 8] [--requests 16] [--prefix-tokens 512]
 """
@@ -18,44 +18,63 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS  # noqa: E402
 
-from pdserve.api.backend import GenerationBackend, LocalBackend
+from pdserve.api.backend import LocalBackend
 from pdserve.api.server import create_app
 from pdserve.api.serving import serve_in_thread
-from pdserve.api.tokenizer import ByteLevelTokenizer, Tokenizer
+from pdserve.api.tokenizer import ByteLevelTokenizer
 from pdserve.bench import Workload, format_table, run_bench, save
 from pdserve.model.config import preset
 from pdserve.model.generate import ReferenceEngine, build_model
+from pdserve.prefill.child import Child, serve_child
 
 MODEL = "tiny"
-STARTUP_S = 30.0
+STARTUP_S = 180.0  # the cluster starts Ray and its actors
 
 
-def run_server_and_bench(backend_factory: Callable[[], GenerationBackend], name: str,
-                         workload: Workload, concurrency_levels, n: int, *,
-                         tokenizer: Tokenizer | None = None, timeout: float = 120.0,
+def _server_main(conn, kind: str) -> None:
+    """A server in a process of its own (so the load generator does not share its GIL)."""
+    def build():
+        torch.set_num_threads(min(2, os.cpu_count() or 1))  # the tests' thread budget
+        if kind == "monolithic":
+            engine = ReferenceEngine(build_model(preset(MODEL)))
+            backend = LocalBackend(engine, max_batch=16, max_queue=256, model_name=MODEL)
+            cm = serve_in_thread(create_app(backend, ByteLevelTokenizer(), request_timeout_s=120.0))
+            url = cm.__enter__()
+        else:
+            import msgspec
+
+            from pdserve.cluster.config import load_serve_config
+            from pdserve.cluster.serve import running_server
+
+            cfg, model = load_serve_config()  # the default: what `pdserve serve` starts
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cfg = msgspec.structs.replace(cfg, api=msgspec.structs.replace(cfg.api, port=port))
+            cm = running_server(cfg, model, progress=lambda m: None)
+            url, _ = cm.__enter__()
+        return {"url": lambda: url, "close": lambda: cm.__exit__(None, None, None)}
+
+    serve_child(conn, f"{kind}-server", build)
+
+
+def run_server_and_bench(kind: str, name: str, workload: Workload, concurrency_levels, n: int,
                          out_dir: str | Path = RESULTS) -> dict:
-    """Serve `backend_factory()` in-process, run the sweep against it, write `<name>.json/png`
-    under out_dir, print the table; returns the result (with `config.backend` = name)."""
-    app = create_app(backend_factory(), tokenizer or ByteLevelTokenizer(),
-                     request_timeout_s=timeout)
-    with serve_in_thread(app) as url:
-        result = run_bench(url, workload, concurrency_levels, n, timeout=timeout)
+    """Start the `kind` server ("monolithic": one reference engine; "disaggregated": the default
+    cluster, 1 prefill + 1 decode instance on local Ray) in its own process, run the sweep
+    against it from this one, write `<name>.json/png` under out_dir, print the table."""
+    with Child(name, _server_main, kind, start_s=STARTUP_S, log=lambda m: None) as server:
+        result = run_bench(server.call("url"), workload, concurrency_levels, n, timeout=120.0)
     result["config"]["backend"] = name
     json_path, png_path = save(result, out_dir, name)
     print(f"{name}\n{format_table(result)}\nwrote {json_path} and {png_path}")
     return result
-
-
-def monolithic() -> LocalBackend:
-    engine = ReferenceEngine(build_model(preset(MODEL)))
-    return LocalBackend(engine, max_batch=16, max_queue=256, model_name=MODEL)
 
 
 def main() -> None:
@@ -67,35 +86,13 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
-    # The same thread budget as the tests and the other CPU benchmarks.
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
     workload = Workload("agentic", output_tokens=args.output_tokens,
                         prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens)
-    mono = run_server_and_bench(monolithic, "serving_monolithic_cpu", workload,
-                                args.concurrency, args.requests, out_dir=args.out)
-    disagg = disaggregated(workload, args.concurrency, args.requests, args.out)
+    mono = run_server_and_bench("monolithic", "serving_monolithic_cpu", workload,
+                                args.concurrency, args.requests, args.out)
+    disagg = run_server_and_bench("disaggregated", "serving_disaggregated_cpu", workload,
+                                  args.concurrency, args.requests, args.out)
     compare(mono, disagg, args.out)
-
-
-def disaggregated(workload, levels, n, out_dir) -> dict:
-    """The same sweep against the default cluster (1 prefill + 1 decode instance on local Ray,
-    state over NIXL), started through `pdserve serve`'s own code path."""
-    import msgspec
-
-    from pdserve.cluster.config import load_serve_config
-    from pdserve.cluster.serve import running_server
-
-    cfg, model = load_serve_config()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cfg = msgspec.structs.replace(cfg, api=msgspec.structs.replace(cfg.api, port=port))
-    with running_server(cfg, model, progress=lambda m: None) as (url, _):
-        result = run_bench(url, workload, levels, n, timeout=120.0)
-    result["config"]["backend"] = "serving_disaggregated_cpu"
-    json_path, png_path = save(result, out_dir, "serving_disaggregated_cpu")
-    print(f"serving_disaggregated_cpu\n{format_table(result)}\nwrote {json_path} and {png_path}")
-    return result
 
 
 def compare(mono: dict, disagg: dict, out_dir) -> None:
