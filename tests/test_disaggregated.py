@@ -93,16 +93,18 @@ def ray_session():
         ray.shutdown()
 
 
+@pytest.mark.parametrize("name", ["tiny", "kimi-linear-reduced"])
 @pytest.mark.parametrize("p,d", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_resharded_kimi_linear_tokens_equal_monolithic(ray_session, p, d):
+def test_resharded_tokens_equal_monolithic(ray_session, p, d, name):
     """KDA state resharded by head (and the replicated latent read from one replica) between
-    TP sizes; a 2-layer reduced kimi-linear (one KDA + dense MLP, one MLA + MoE) keeps it short."""
+    TP sizes, greedy and seeded; for kimi-linear a 2-layer reduced model (one KDA + dense MLP, one
+    MLA + MoE) keeps it short."""
     from pdserve.cluster.actors import start_instance
-    config = reduced_kimi_linear(2, 4, 2, vocab_size=512)
-    prompts = [[t % 512 for t in pr] for pr in PROMPTS]
+    config = preset("tiny") if name == "tiny" else reduced_kimi_linear(2, 4, 2, vocab_size=512)
+    prompts = [[t % config.vocab_size for t in pr] for pr in PROMPTS]
     want = monolithic(config, prompts, PARAMS)
     common = dict(config=config, layout=LAYOUT, seed=5, num_pages=32, num_slots=8)
-    start = lambda role, tp, **kw: start_instance(role, f"{role}-{p}to{d}", 0, tp,
+    start = lambda role, tp, **kw: start_instance(role, f"{role}-{name}-{p}to{d}", 0, tp,
                                                   {**common, **kw}, 0.5, 0, 120, threads=1)
     pre = start("prefill", p)
     dec = None
