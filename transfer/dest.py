@@ -112,7 +112,8 @@ class DestRank:
         return {"bytes": sum(r.length for r in reads), "runs": len(reads),
                 "descriptors": descriptors, "seconds": time.monotonic() - t0,
                 "control_s": t_plan + t_prep + t_notify, "plan_s": t_plan, "prep_s": t_prep,
-                "verify_s": t_verify, "arrival_s": t_arrival, "notify_s": t_notify, "seconds_by_kind": seconds}
+                "verify_s": t_verify, "arrival_s": t_arrival, "notify_s": t_notify,
+                "seconds_by_kind": seconds}
 
     def cancel(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str) -> None:
         """Abandon a request: free this rank's allocation and tell the source to free its state."""

@@ -22,11 +22,10 @@ POLL_S = 0.0005  # between completion checks; keeps a CPU core mostly free while
 # COARSE units long (starting at every unit), so a contiguous run of n units costs n // COARSE + n %
 # COARSE descriptors. Measured on DRAM (UCX over CMA): 73 KB descriptors move ~20 % slower than
 # >= 1 MB ones, and at 128K context the per-unit index lists were most of the control time.
-COARSE = 16
 # On VRAM each descriptor is a CUDA-IPC copy with ~9 us of fixed cost (H200: 1,096 descriptors of
 # ~1 MB moved 1.1 GB at 115 GB/s), so longer spans should pay there; a 256-unit span failed in
-# post_reads on the H200 (not yet diagnosed), so VRAM keeps the DRAM span for now.
-COARSE_VRAM = 16
+# post_reads on the H200 (not yet diagnosed), so VRAM uses the same span for now.
+COARSE = 16
 # Entries a prepared list may have. A source whose regions need more (vLLM's whole KV cache in
 # 16 KB units: millions) gets a descriptor list per request instead, one entry per read.
 MAX_PREPARED = 1 << 20
@@ -86,7 +85,10 @@ class _Peer:
 
 class RankAgent:
     def __init__(self, instance: str, rank: int, generation: int, regions: RegionTable,
-                 device: str = "cpu"):
+                 device: str = "cpu", registered: RegionTable | None = None):
+        """`regions`: what peers read, per (kind, layer). `registered`: the memory to register
+        with NIXL when it is not simply `regions` (vLLM's layers alias one buffer, and
+        registering a byte twice breaks NIXL)."""
         api = load_nixl()
         self.instance, self.rank, self.generation = instance, rank, generation
         self.name = f"{instance}.r{rank}.g{generation}"
@@ -98,17 +100,18 @@ class RankAgent:
             # and a READ then falls back to TCP emulation (measured 0.45 GB/s on the H200).
             # UCX reads this when the agent's context is created; a user's setting wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
-        self.coarse = COARSE_VRAM if self.mem == "VRAM" else COARSE
+        self.addresses = regions.addresses()  # fixed for the agent's life (pools never move)
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         self._registered = self.agent.register_memory(
-            [(a, n, self.device, "") for a, n in _merge(regions.addresses())], self.mem)
+            [(a, n, self.device, "") for a, n in _merge((registered or regions).addresses())],
+            self.mem)
         self.peers: dict[tuple[str, int], _Peer] = {}
         self._local_dlists: dict[tuple[str, int, int], tuple[object, list[int]]] = {}
 
     # -- peers ------------------------------------------------------------------------------
     def info(self) -> AgentInfo:
         return AgentInfo(self.instance, self.rank, self.generation, self.name,
-                         self.agent.get_agent_metadata(), self.regions.addresses(), self.mem,
+                         self.agent.get_agent_metadata(), self.addresses, self.mem,
                          self.device)
 
     def connect(self, info: AgentInfo) -> str:
@@ -170,7 +173,7 @@ class RankAgent:
     def _local(self, kind: str, unit: int, span: int):
         key = (kind, unit, span)
         if key not in self._local_dlists:
-            self._local_dlists[key] = self._dlist("NIXL_INIT_AGENT", self.regions.addresses(),
+            self._local_dlists[key] = self._dlist("NIXL_INIT_AGENT", self.addresses,
                                                   kind, unit, span, self.mem, self.device)
         return self._local_dlists[key]
 
@@ -184,8 +187,8 @@ class RankAgent:
     def _indices(self, peer: _Peer, kind: str, local_kind: str, unit: int, span: int,
                  reads: list[Read]) -> tuple[object, list[int], object, list[int]]:
         """(local handle, local indices, remote handle, remote indices) for the pieces of
-        `reads` that `span`-unit descriptors cover: with span `self.coarse`, the leading whole
-        multiples of it of each read; with span 1, the rest."""
+        `reads` that `span`-unit descriptors cover: with span COARSE, the leading whole
+        multiples of COARSE units of each read; with span 1, the rest."""
         if span > 1 and all(r.length < span * unit for r in reads):
             return None, [], None, []  # no coarse list needed (or built) for this group
         lh, lbase = self._local(local_kind, unit, span)
@@ -193,7 +196,7 @@ class RankAgent:
         lidx, ridx = [], []
         for r in reads:
             n = -(-r.length // unit)
-            coarse = n // self.coarse * self.coarse
+            coarse = n // COARSE * COARSE
             first, end = (0, coarse) if span > 1 else (coarse, n)
             l0 = lbase[r.layer] + r.dst_offset // unit
             r0 = rbase[r.layer] + r.src_offset // unit
@@ -213,14 +216,14 @@ class RankAgent:
 
     def _too_many(self, peer: _Peer, kind: str, local_kind: str, unit: int) -> bool:
         count = lambda regions, k: sum(n // unit for _, n in regions[k])
-        return max(count(self.regions.addresses(), local_kind),
+        return max(count(self.addresses, local_kind),
                    count(peer.info.regions, kind)) > MAX_PREPARED
 
     def _per_request(self, peer: _Peer, kind: str, local_kind: str, unit: int,
                      reads: list[Read]) -> tuple[object, int, int]:
         """A READ over descriptor lists made for these reads (one entry per read, whole units
         as in the prepared path): (handle, descriptors, bytes)."""
-        local, remote = self.regions.addresses()[local_kind], peer.info.regions[kind]
+        local, remote = self.addresses[local_kind], peer.info.regions[kind]
         ldescs, rdescs = [], []
         for r in reads:
             n = -(-r.length // unit) * unit
@@ -234,10 +237,11 @@ class RankAgent:
     # -- reads ------------------------------------------------------------------------------
     def post_reads(self, src_instance: str, reads: list[Read], units: dict[str, int]
                    ) -> tuple[list[tuple[str, object, int]], float, int]:
-        """Post up to two READs (coarse and unit descriptors; one over per-request lists where
-        prepared lists would be too large) per (source rank, kind, staged) group. Returns the posted (kind, handle, bytes), the seconds spent preparing them
-        (descriptor indices and handles: the control cost; UCX may move data inside the post
-        itself) and the number of descriptors."""
+        """Post up to two READs per (source rank, kind, staged) group: over the prepared coarse
+        and unit lists, or one over per-request lists where prepared ones would be too large.
+        Returns the posted (kind, handle, bytes), the seconds spent preparing them (descriptor
+        indices and handles: the control cost; UCX may move data inside the post itself) and
+        the number of descriptors."""
         prep, descriptors = 0.0, 0
         groups: dict[tuple[int, str, bool], list[Read]] = {}
         for r in reads:
@@ -249,14 +253,12 @@ class RankAgent:
                 if peer is None:
                     raise PeerLost(f"{self.name}: no connection to {src_instance} rank {src_rank}")
                 unit, local_kind = units[kind], "kda_conv_staging" if staged else kind
-                if self._too_many(peer, kind, local_kind, unit):
-                    makers = [lambda: self._per_request(peer, kind, local_kind, unit, rs)]
-                else:
-                    makers = [lambda span=span: self._prepped(peer, kind, local_kind, unit, span, rs)
-                              for span in (self.coarse, 1)]
-                for make in makers:
+                # span None: one per-request list; else the prepared lists, coarse then unit
+                spans = (None,) if self._too_many(peer, kind, local_kind, unit) else (COARSE, 1)
+                for span in spans:
                     t0 = time.perf_counter()
-                    made = make()
+                    made = (self._per_request(peer, kind, local_kind, unit, rs) if span is None
+                            else self._prepped(peer, kind, local_kind, unit, span, rs))
                     if made is None:
                         continue
                     handle, n, nbytes = made

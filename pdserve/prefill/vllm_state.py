@@ -215,9 +215,7 @@ def _union_table(regions: RegionTable) -> RegionTable:
 def register_in_place(instance: str, rank: int, generation: int, regions: RegionTable,
                       device: str = "cpu") -> RankAgent:
     """A `RankAgent` over `regions` (aliasing allowed) that registers each byte once."""
-    agent = RankAgent(instance, rank, generation, _union_table(regions), device)
-    agent.regions = regions  # what peers read: per (kind, layer), as the planner addresses it
-    return agent
+    return RankAgent(instance, rank, generation, regions, device, registered=_union_table(regions))
 
 
 # -- scheduler side: block ids -> manifest ---------------------------------------------------------
