@@ -101,12 +101,15 @@ def _stream_in_thread(url, prompt, max_tokens, out, started):
     return t
 
 
-def _wait_for_running(router, timeout=30.0):
-    """The decode instance running a request (the first token streams before decode admits)."""
+def _kill_running(router, timeout=30.0):
+    """Kill the decode instance running a request (the first token streams before decode admits,
+    so wait for the admission); returns its slot."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         busy = [d for d in router.decode if d.batcher.running]
         if busy:
+            for a in busy[0].inst.ranks.actors:
+                ray.kill(a)
             return busy[0]
         time.sleep(0.01)
     raise AssertionError(f"no decode instance started the request within {timeout} s")
@@ -120,9 +123,7 @@ def test_failover_decode_death_prefill_death_and_no_decode_left():
         out, started = {}, threading.Event()
         t = _stream_in_thread(url, PROMPTS[0], 150, out, started)
         assert started.wait(30)
-        busy = _wait_for_running(router)
-        for a in busy.inst.ranks.actors:
-            ray.kill(a)
+        busy = _kill_running(router)
         t.join(60)
         assert not t.is_alive() and "error" not in out, out.get("error")
         assert out["ids"] == want, "resumed stream differs from the no-fault run"
@@ -141,9 +142,7 @@ def test_failover_decode_death_prefill_death_and_no_decode_left():
         t0 = time.monotonic()
         t = _stream_in_thread(url, PROMPTS[2], 150, out, started)
         assert started.wait(30)
-        last = _wait_for_running(router)
-        for a in last.inst.ranks.actors:
-            ray.kill(a)
+        _kill_running(router)
         t.join(60)
         assert not t.is_alive() and time.monotonic() - t0 < 60
         assert "error" in out or out.get("finish") == "error" or len(out.get("ids", [])) < 150

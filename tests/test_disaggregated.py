@@ -57,6 +57,15 @@ class Pair:
         self.prefill.close()
 
 
+def decode_to_end(decoder, seqs):
+    """Decode `seqs` together until all finish, release them; their token lists."""
+    while running := [s for s in seqs if not s.finished]:
+        decoder.decode(running)
+    for s in seqs:
+        decoder.release(s)
+    return [s.output for s in seqs]
+
+
 def monolithic(config, prompts, params):
     eng = ReferenceEngine(build_model(config, seed=5), LAYOUT)
     return [s.output for s in eng.generate(prompts, params)]
@@ -73,11 +82,7 @@ def test_disaggregated_tokens_equal_monolithic(name):
         pair.drain()
         assert not pair.prefill.seqs, "source state not freed after the transfer"
         assert pair.prefill.engine.pools.empty
-        while running := [s for s in seqs if not s.finished]:
-            pair.decode.decode(running)
-        assert [s.output for s in seqs] == want
-        for s in seqs:
-            pair.decode.release(s)
+        assert decode_to_end(pair.decode, seqs) == want
         assert pair.rank.pools.empty
     finally:
         pair.close()
@@ -119,11 +124,7 @@ def test_resharded_tokens_equal_monolithic(ray_session, p, d, name):
         results = pre.ranks.call("prefill", reqs, pre.agents)[0]
         assert all(r.error is None for r in results), results
         seqs = [inst.admit(r.handle) for r in results]
-        while running := [s for s in seqs if not s.finished]:
-            inst.decode(running)
-        assert [s.output for s in seqs] == want
-        for s in seqs:
-            inst.release(s)
+        assert decode_to_end(inst, seqs) == want
         assert all(st["running"] == 0 and st["pages_free"] == st["pages_total"]
                    for st in dec.ranks.call("stats"))
         deadline = time.monotonic() + 10
@@ -234,11 +235,7 @@ def test_decode_side_ids_may_differ_from_the_source_ids():
         assert all(h.manifest.request_id != h.request_id for h in handles)
         seqs = [pair.decode.admit(h) for h in handles]
         assert sorted(pair.rank.tables) == ["client-0", "client-1"]
-        while running := [s for s in seqs if not s.finished]:
-            pair.decode.decode(running)
-        assert [s.output for s in seqs] == want
-        for s in seqs:
-            pair.decode.release(s)
+        assert decode_to_end(pair.decode, seqs) == want
         assert pair.rank.pools.empty
         pair.drain()
         assert not pair.prefill.seqs, "the source was not told (by its own id) that it was read"

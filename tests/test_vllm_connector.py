@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import msgspec
 import pytest
 import torch
 
