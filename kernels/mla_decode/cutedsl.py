@@ -23,13 +23,15 @@ Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 
 the sigmoid output gate.
 
 Status on the H200 (benchmarks/results/mla_decode_h200.json, CUDA-graph medians): bf16 reaches
-75-97 % of the 4245 GB/s copy floor where B x L >= 256K tokens except H=32, B=8, L=32K (69 %);
-one CTA per SM keeps one 74 KB tile in flight, and the per-tile MMA + softmax chain (~2.2 us
-for 4 warps per 16 heads) is what limits H=32 and every fp8 case (fp8 halves the bytes but
-not that chain: 27-38 % of the fp8 floor). B=1, L=8K takes ~18-20 us (target 10): two
-launches plus a two-tile critical path. Next steps: wgmma (64-row, Q from smem, S in registers)
-with a warp-specialized TMA producer and 2-3 tiles in flight, fp8 QK/PV with a quantized
-query, and a fused split combine (last CTA per request merges) to drop the second launch.
+72-97 % of the 4245 GB/s copy floor where B x L >= 256K tokens except H=32, B=8, L=32K (69 %);
+one CTA per SM keeps one 74 KB tile in flight, and the per-tile MMA + softmax chain (~2.7 us
+per tile and CTA when streaming) is what limits H=32 and every fp8 case (fp8 halves the bytes but
+not that chain: 26-38 % of the fp8 floor). B=1, L=8K takes ~16-19 us (target 10): with 64
+splits of two tiles each, the first-tile latency of every CTA plus a second launch (the combine,
+~4 dependent DRAM round trips since it reads with 4 split groups) dominate. Next steps: wgmma
+(64-row, Q from smem, S in registers) with a warp-specialized TMA producer and 2-3 tiles in
+flight, fp8 QK/PV with a quantized query, and a fused split combine (last CTA per request merges)
+to drop the second launch.
 """
 from __future__ import annotations
 
@@ -654,11 +656,11 @@ def h_pad_for(heads: int) -> int:
 
 def choose_num_splits(batch: int, max_seq_len: int, heads: int, num_sms: int = NUM_SMS_H200) -> int:
     """KV splits per request: one wave of CTAs (one 190-220 KB CTA per SM), at least two tiles
-    per split. Fitted to the H200 sweep in benchmarks/results/mla_decode_h200.json (H=32):
-    B=1 L=8K 64 splits 19.4 us (128: 25.2, 32: 20.8); B=1 L=32K 128: 33.9 (64: 35.7);
-    B=8 L=8K / 32K 16 splits best (34.8 / 103 us; 32: 46 / 114). `heads` is unused so far."""
+    per split. From the H200 sweeps in benchmarks/results/mla_decode_h200.json (H=32, bf16, with
+    the 4-group combine): B=1 L=8K 64 splits 16.4 us (128: 18.9, 32: 19.2); B=1 L=32K 128: 27.7
+    (64: 32.3); B=8 L=32K 16 splits best (100.9 us). `heads` is unused so far."""
     tiles = max(1, -(-int(max_seq_len) // TILE_N))
-    return max(1, min(num_sms // max(1, batch), tiles, CombineKernel.max_splits))
+    return max(1, min(num_sms // max(1, batch), -(-tiles // 2), CombineKernel.max_splits))
 
 
 def mla_decode_cutedsl(
