@@ -1,6 +1,7 @@
 """State transfer over real NIXL (UCX) for the kimi-linear-48b-a3b state shapes.
 
-For 8K and 128K-token requests and the topologies p=d=1, 2->1, 1->2 and d=2 with DCP 2, moves one
+For 8K and 128K-token requests and the topologies p=d=1, 2->1, 1->2 and d=2 with DCP 2 (interleave
+64: one page per DCP rank in turn; an extra row, labelled "-il1024", has interleave 1024), moves one
 request's full state (7 MLA layers of latent, 20 KDA layers of recurrent + conv) and reports GB/s
 against a memcpy of the same bytes in the same run, and the control overhead per request
 (plan + post + notify, the slowest destination rank's). As deployed, every rank is its own process
@@ -37,7 +38,10 @@ from pdserve.transfer.source import SourceRank
 
 MODEL = "kimi-linear-48b-a3b"
 CASES = [("p1-d1", 1, Topology(1)), ("p2-d1", 2, Topology(1)), ("p1-d2", 1, Topology(2)),
-         ("p1-d2-dcp2", 1, Topology(2, 2, 64))]
+         ("p1-d2-dcp2", 1, Topology(2, 2, 64)),
+         # not an issue-3 case: with 16-page DCP runs, how much of the interleave-64 gap is the
+         # one-descriptor-per-page layout (same bytes, same topology)
+         ("p1-d2-dcp2-il1024", 1, Topology(2, 2, 1024))]
 REPLY_S = 120  # every wait on a rank process has a deadline
 
 
@@ -147,7 +151,8 @@ def run_case(name: str, p: int, topo: Topology, n: int, repeats: int, device: st
             if i:
                 rows.append((wall, sum(x["bytes"] for x in stats),
                              max(x["control_s"] for x in stats),
-                             sum(x["descriptors"] for x in stats), sum(x["runs"] for x in stats)))
+                             sum(x["descriptors"] for x in stats), sum(x["runs"] for x in stats),
+                             max(x["plan_s"] for x in stats), max(x["prep_s"] for x in stats)))
     finally:
         for c in src_conns + dst_conns:
             try:
@@ -161,6 +166,8 @@ def run_case(name: str, p: int, topo: Topology, n: int, repeats: int, device: st
     return {"case": name, "context": n, "p": p, "d": topo.tp, "dcp": topo.dcp,
             "bytes": rows[0][1], "seconds_median": statistics.median(r[0] for r in rows),
             "control_ms_median": statistics.median(r[2] for r in rows) * 1e3,
+            "plan_ms_median": statistics.median(r[5] for r in rows) * 1e3,
+            "post_ms_median": statistics.median(r[6] for r in rows) * 1e3,
             "descriptors": rows[0][3], "runs": rows[0][4]}
 
 
@@ -226,6 +233,10 @@ def main() -> None:
                   "UCX moves DRAM with one thread per destination rank); GPU: a device copy",
         "parallel_copy": "torch copy_ of the same bytes with all torch threads",
         "slowdown_vs_p1_d1": "GB/s of p=d=1 at the same context / this case's GB/s - 1",
+        "control": "plan + post + notify of the slowest destination rank (plan_ms, post_ms: their "
+                   "parts); post = index arrays and NIXL handles, not the data movement",
+        "descriptors": "descriptors the UCX backend gets, all destination ranks (NIXL merges index "
+                       "runs contiguous on both sides); on DRAM each is one process_vm_readv",
         "rows": results}, args.out)
     print(f"wrote {path}")
 

@@ -204,3 +204,20 @@ def test_manifest_with_strides_round_trips_and_dense_default_is_unchanged():
     assert StateManifest.decode(m.encode()) == m
     with pytest.raises(ValueError, match="3 KDA layers"):
         msgspec.structs.replace(dense, kda_layer_slots=[1])
+
+
+def test_plan_table_and_reads_agree_and_dcp_pages_are_one_read_each():
+    """The vectorized latent plan: with interleave = page size each DCP rank's pages are every
+    other source page (one read each, per MLA layer); `reads` are the table's rows."""
+    from pdserve.transfer.planner import as_table
+
+    plan, manifest = run_case(KIMI, 1, 2, 2, interleave=64, n=64 * 7 + 5)
+    latent = [r for r in plan.reads if r.kind == "mla_latent"]
+    assert len(latent) == 8 * KIMI.n_mla  # 8 pages in all: 4 per rank, none coalesce
+    for r in (0, 1):
+        mine = sorted(x.src_offset for x in latent if x.dst_rank == r)
+        pages = [manifest.latent_pages[0][t // 64] for t in range(64 * r, 64 * 8, 128)]
+        stride = manifest.source_strides().latent_page
+        assert mine == sorted(p * stride for p in pages)
+    assert (as_table(plan.reads) == plan.table).all()
+    assert plan.bytes_by_kind["mla_latent"] == sum(r.length for r in latent)

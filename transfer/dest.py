@@ -76,17 +76,17 @@ class DestRank:
         t0 = time.monotonic()
         try:
             plan = plan_transfer(manifest, alloc, ranks=[self.rank])
-            reads = plan.reads
             t_plan = time.monotonic() - t0
             deadline = t0 + self.config.deadline_s(plan.total_bytes)
-            posted, t_prep, descriptors = self.agent.post_reads(src_instance, reads, plan.units)
+            posted, t_prep, descriptors = self.agent.post_reads(src_instance, plan.table,
+                                                                plan.units)
             seconds = self.agent.wait(posted, deadline, cancel)
             t1 = time.monotonic()
             if self.config.verify:
                 if digests is None:
                     raise TransferError("verify mode needs a digest source")
-                for s in sorted({r.src_rank for r in reads}):
-                    mine = [r for r in reads if r.src_rank == s]
+                for s in sorted({r.src_rank for r in plan.reads}):
+                    mine = [r for r in plan.reads if r.src_rank == s]
                     verify(manifest.request_id, self.rank, self.agent.regions, mine,
                            digests(s, source_runs(mine)))
             t_verify = time.monotonic() - t1
@@ -106,10 +106,9 @@ class DestRank:
             self.free(alloc)
             raise TransferError(f"request {manifest.request_id}: {type(exc).__name__}: {exc}") from exc
         self.free(alloc, keep_state=True)
-        self.metrics.transfer({k: sum(r.length for r in reads if r.kind == k)
-                               for k in plan.bytes_by_kind}, seconds, descriptors, len(reads),
+        self.metrics.transfer(plan.bytes_by_kind, seconds, descriptors, len(plan.table),
                               t_plan + t_prep + t_notify, t_verify)
-        return {"bytes": sum(r.length for r in reads), "runs": len(reads),
+        return {"bytes": plan.total_bytes, "runs": len(plan.table),
                 "descriptors": descriptors, "seconds": time.monotonic() - t0,
                 "control_s": t_plan + t_prep + t_notify, "plan_s": t_plan, "prep_s": t_prep,
                 "verify_s": t_verify, "arrival_s": t_arrival, "notify_s": t_notify,

@@ -12,20 +12,19 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from pdserve.transfer.errors import PeerLost, TransferCancelled, TransferTimeout
-from pdserve.transfer.planner import Read
+from pdserve.transfer.planner import DOFF, KIND, KINDS, LAYER, LEN, SOFF, SRC, STAGED
 from pdserve.transfer.regions import RegionTable
 
 POLL_S = 0.0005  # between completion checks; keeps a CPU core mostly free while waiting
-# Units per coarse descriptor. Each kind has two prepared lists: unit-sized entries and entries
-# COARSE units long (starting at every unit), so a contiguous run of n units costs n // COARSE + n %
-# COARSE descriptors. Measured on DRAM (UCX over CMA): 73 KB descriptors move ~20 % slower than
-# >= 1 MB ones, and at 128K context the per-unit index lists were most of the control time.
-# On VRAM each descriptor is a CUDA-IPC copy with ~9 us of fixed cost (H200: 1,096 descriptors of
-# ~1 MB moved 1.1 GB at 115 GB/s), so longer spans should pay there; a 256-unit span failed in
-# post_reads on the H200 (not yet diagnosed), so VRAM uses the same span for now.
-COARSE = 16
+# Each kind has one prepared list per side: an entry per transfer unit of every layer. A request
+# indexes it with numpy arrays (one index per unit); NIXL merges index runs that are contiguous on
+# both sides into one descriptor before the backend sees them (NIXL >= 1.5; checked in
+# tests/test_transfer_nixl.py), so a long run costs one UCX operation whatever the unit size.
+# (This replaced extra 16-unit "coarse" lists. On VRAM merged runs can be far longer than the
+# 256-unit span that once failed in post_reads on the H200; not yet rerun there.)
 # Entries a prepared list may have. A source whose regions need more (vLLM's whole KV cache in
 # 16 KB units: millions) gets a descriptor list per request instead, one entry per read.
 MAX_PREPARED = 1 << 20
@@ -80,7 +79,7 @@ class AgentInfo(msgspec.Struct, frozen=True):
 @dataclass
 class _Peer:
     info: AgentInfo
-    dlists: dict[tuple[str, int, int], tuple[object, list[int]]] = field(default_factory=dict)
+    dlists: dict[tuple[str, int], tuple[object, np.ndarray]] = field(default_factory=dict)
 
 
 class RankAgent:
@@ -106,7 +105,7 @@ class RankAgent:
             [(a, n, self.device, "") for a, n in _merge((registered or regions).addresses())],
             self.mem)
         self.peers: dict[tuple[str, int], _Peer] = {}
-        self._local_dlists: dict[tuple[str, int, int], tuple[object, list[int]]] = {}
+        self._local_dlists: dict[tuple[str, int], tuple[object, np.ndarray]] = {}
 
     # -- peers ------------------------------------------------------------------------------
     def info(self) -> AgentInfo:
@@ -156,117 +155,101 @@ class RankAgent:
 
     # -- prepared descriptor lists ----------------------------------------------------------
     def _dlist(self, owner: str, regions: dict[str, list[tuple[int, int]]], kind: str, unit: int,
-               span: int, mem: str, device: int) -> tuple[object, list[int]]:
-        """Descriptors `span` units long starting at every unit of every layer of `kind`;
-        returns (handle, per-layer index of the layer's first entry)."""
-        descs, bases = [], []
+               mem: str, device: int) -> tuple[object, np.ndarray]:
+        """An entry per `unit` bytes of every layer of `kind`; returns (handle, per-layer index
+        of the layer's first entry)."""
+        descs, bases, count = [], [], 0
         for addr, nbytes in regions[kind]:
             if nbytes % unit:
                 raise ValueError(f"{kind}: region of {nbytes} bytes is not a multiple of the "
                                  f"{unit}-byte transfer unit")
-            bases.append(len(descs))
-            descs += [(addr + i, unit * span, device)
-                      for i in range(0, nbytes - unit * span + 1, unit)]
-        xfer = self.agent.get_xfer_descs(descs, mem)
-        return self.agent.prep_xfer_dlist(owner, xfer, mem), bases
+            starts = np.arange(addr, addr + nbytes, unit, dtype=np.int64)
+            descs.append(np.stack([starts, np.full_like(starts, unit),
+                                   np.full_like(starts, device)], axis=1))
+            bases.append(count)
+            count += len(starts)
+        xfer = self.agent.get_xfer_descs(np.concatenate(descs), mem)
+        return self.agent.prep_xfer_dlist(owner, xfer, mem), np.array(bases, dtype=np.int64)
 
-    def _local(self, kind: str, unit: int, span: int):
-        key = (kind, unit, span)
+    def _local(self, kind: str, unit: int):
+        key = (kind, unit)
         if key not in self._local_dlists:
-            self._local_dlists[key] = self._dlist("NIXL_INIT_AGENT", self.addresses,
-                                                  kind, unit, span, self.mem, self.device)
+            self._local_dlists[key] = self._dlist("NIXL_INIT_AGENT", self.addresses, kind, unit,
+                                                  self.mem, self.device)
         return self._local_dlists[key]
 
-    def _remote(self, peer: _Peer, kind: str, unit: int, span: int):
-        key = (kind, unit, span)
+    def _remote(self, peer: _Peer, kind: str, unit: int):
+        key = (kind, unit)
         if key not in peer.dlists:
-            peer.dlists[key] = self._dlist(peer.info.name, peer.info.regions, kind, unit, span,
+            peer.dlists[key] = self._dlist(peer.info.name, peer.info.regions, kind, unit,
                                            peer.info.mem, peer.info.device)
         return peer.dlists[key]
 
-    def _indices(self, peer: _Peer, kind: str, local_kind: str, unit: int, span: int,
-                 reads: list[Read]) -> tuple[object, list[int], object, list[int]]:
-        """(local handle, local indices, remote handle, remote indices) for the pieces of
-        `reads` that `span`-unit descriptors cover: with span COARSE, the leading whole
-        multiples of COARSE units of each read; with span 1, the rest."""
-        if span > 1 and all(r.length < span * unit for r in reads):
-            return None, [], None, []  # no coarse list needed (or built) for this group
-        lh, lbase = self._local(local_kind, unit, span)
-        rh, rbase = self._remote(peer, kind, unit, span)
-        lidx, ridx = [], []
-        for r in reads:
-            n = -(-r.length // unit)
-            coarse = n // COARSE * COARSE
-            first, end = (0, coarse) if span > 1 else (coarse, n)
-            l0 = lbase[r.layer] + r.dst_offset // unit
-            r0 = rbase[r.layer] + r.src_offset // unit
-            lidx += range(l0 + first, l0 + end, span)
-            ridx += range(r0 + first, r0 + end, span)
-        return lh, lidx, rh, ridx
-
-    def _prepped(self, peer: _Peer, kind: str, local_kind: str, unit: int, span: int,
-                 reads: list[Read]) -> tuple[object, int, int] | None:
-        """A READ indexing the prepared `span` lists: (handle, descriptors, bytes), or None
-        when no piece of `reads` has that span."""
-        lh, lidx, rh, ridx = self._indices(peer, kind, local_kind, unit, span, reads)
-        if not lidx:
-            return None
-        return (self.agent.make_prepped_xfer("READ", lh, lidx, rh, ridx, b""), len(lidx),
-                len(lidx) * unit * span)
+    def _prepped(self, peer: _Peer, kind: str, local_kind: str, unit: int, rows: np.ndarray,
+                 units_per_read: np.ndarray):
+        """A READ indexing the prepared lists: one index per unit of every read (vectorized:
+        with DCP a request has thousands of one-page reads)."""
+        lh, lbase = self._local(local_kind, unit)
+        rh, rbase = self._remote(peer, kind, unit)
+        first = np.cumsum(units_per_read) - units_per_read
+        within = np.arange(int(units_per_read.sum()), dtype=np.int64) - np.repeat(first, units_per_read)
+        lidx = np.repeat(lbase[rows[:, LAYER]] + rows[:, DOFF] // unit, units_per_read) + within
+        ridx = np.repeat(rbase[rows[:, LAYER]] + rows[:, SOFF] // unit, units_per_read) + within
+        return self.agent.make_prepped_xfer("READ", lh, lidx.astype(np.int32), rh,
+                                            ridx.astype(np.int32), b"")
 
     def _too_many(self, peer: _Peer, kind: str, local_kind: str, unit: int) -> bool:
         count = lambda regions, k: sum(n // unit for _, n in regions[k])
         return max(count(self.addresses, local_kind),
                    count(peer.info.regions, kind)) > MAX_PREPARED
 
-    def _per_request(self, peer: _Peer, kind: str, local_kind: str, unit: int,
-                     reads: list[Read]) -> tuple[object, int, int]:
-        """A READ over descriptor lists made for these reads (one entry per read, whole units
-        as in the prepared path): (handle, descriptors, bytes)."""
-        local, remote = self.addresses[local_kind], peer.info.regions[kind]
-        ldescs, rdescs = [], []
-        for r in reads:
-            n = -(-r.length // unit) * unit
-            ldescs.append((local[r.layer][0] + r.dst_offset, n, self.device))
-            rdescs.append((remote[r.layer][0] + r.src_offset, n, peer.info.device))
-        handle = self.agent.initialize_xfer(
+    def _per_request(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray):
+        """A READ over descriptor lists made for these reads (one entry per read)."""
+        ldescs = np.stack([local, nbytes, np.full_like(nbytes, self.device)], axis=1)
+        rdescs = np.stack([remote, nbytes, np.full_like(nbytes, peer.info.device)], axis=1)
+        return self.agent.initialize_xfer(
             "READ", self.agent.get_xfer_descs(ldescs, self.mem),
             self.agent.get_xfer_descs(rdescs, peer.info.mem), peer.info.name, b"")
-        return handle, len(ldescs), sum(d[1] for d in ldescs)
 
     # -- reads ------------------------------------------------------------------------------
-    def post_reads(self, src_instance: str, reads: list[Read], units: dict[str, int]
+    def post_reads(self, src_instance: str, table: np.ndarray, units: dict[str, int]
                    ) -> tuple[list[tuple[str, object, int]], float, int]:
-        """Post up to two READs per (source rank, kind, staged) group: over the prepared coarse
-        and unit lists, or one over per-request lists where prepared ones would be too large.
-        Returns the posted (kind, handle, bytes), the seconds spent preparing them (descriptor
-        indices and handles: the control cost; UCX may move data inside the post itself) and
-        the number of descriptors."""
+        """Post one READ per (source rank, kind, staged) group of a plan's `table` (planner
+        COLUMNS): over the prepared lists, or over per-request lists where prepared ones would
+        be too large. Every read moves whole units. Returns the posted (kind, handle, bytes),
+        the seconds spent preparing them (index arrays and handles: the control cost; UCX may
+        move data inside the post itself) and the number of descriptors the backend gets
+        (after NIXL merges runs contiguous on both sides)."""
         prep, descriptors = 0.0, 0
-        groups: dict[tuple[int, str, bool], list[Read]] = {}
-        for r in reads:
-            groups.setdefault((r.src_rank, r.kind, r.staged), []).append(r)
+        t0 = time.perf_counter()
+        # group key; bincount finds the few present groups in O(reads), unlike a sort
+        key = (table[:, SRC] * len(KINDS) + table[:, KIND]) * 2 + table[:, STAGED]
+        groups = np.flatnonzero(np.bincount(key)) if len(key) else []
+        prep += time.perf_counter() - t0
         posted = []
         try:
-            for (src_rank, kind, staged), rs in groups.items():
+            for g in groups:
+                t0 = time.perf_counter()
+                src_rank, k, staged = int(g) // 2 // len(KINDS), int(g) // 2 % len(KINDS), g % 2
+                rows = table[key == g]
                 peer = self.peers.get((src_instance, src_rank))
                 if peer is None:
                     raise PeerLost(f"{self.name}: no connection to {src_instance} rank {src_rank}")
+                kind = KINDS[k]
                 unit, local_kind = units[kind], "kda_conv_staging" if staged else kind
-                # span None: one per-request list; else the prepared lists, coarse then unit
-                spans = (None,) if self._too_many(peer, kind, local_kind, unit) else (COARSE, 1)
-                for span in spans:
-                    t0 = time.perf_counter()
-                    made = (self._per_request(peer, kind, local_kind, unit, rs) if span is None
-                            else self._prepped(peer, kind, local_kind, unit, span, rs))
-                    if made is None:
-                        continue
-                    handle, n, nbytes = made
-                    posted.append((kind, handle, nbytes))
-                    descriptors += n
-                    prep += time.perf_counter() - t0
-                    if self.agent.transfer(handle) == "ERR":
-                        raise PeerLost(f"{self.name}: posting a read from {peer.info.name} failed")
+                n = -(-rows[:, LEN] // unit)
+                nbytes = n * unit
+                local = np.array([a for a, _ in self.addresses[local_kind]])[rows[:, LAYER]] + rows[:, DOFF]
+                remote = np.array([a for a, _ in peer.info.regions[kind]])[rows[:, LAYER]] + rows[:, SOFF]
+                handle = (self._per_request(peer, local, remote, nbytes)
+                          if self._too_many(peer, kind, local_kind, unit)
+                          else self._prepped(peer, kind, local_kind, unit, rows, n))
+                posted.append((kind, handle, int(nbytes.sum())))
+                descriptors += 1 + int(np.count_nonzero((local[1:] != local[:-1] + nbytes[:-1])
+                                                        | (remote[1:] != remote[:-1] + nbytes[:-1])))
+                prep += time.perf_counter() - t0
+                if self.agent.transfer(handle) == "ERR":
+                    raise PeerLost(f"{self.name}: posting a read from {peer.info.name} failed")
         except Exception as exc:
             self.release(posted)
             raise _as_peer_lost(exc, self.name) from exc

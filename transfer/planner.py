@@ -15,12 +15,19 @@ All offsets are bytes within one layer's region of a rank (`Read.kind`, `Read.la
 starts on a multiple of its kind's `unit` (the largest chunk that never straddles a page, a DCP
 run or a head-range boundary on either side), so the backend can index prepared descriptor lists
 of unit-sized entries; contiguous runs are coalesced.
+
+A plan holds its reads as an integer table (one row per read, columns `COLUMNS`): with DCP the
+latent alone is one read per page per layer (14,336 at 128K context, d = c = 2), and building that
+many Python objects per request was most of the control time. `TransferPlan.reads` gives the same
+rows as `Read`s for code that wants them (verification, plain copies, tests).
 """
 from __future__ import annotations
 
+from functools import cached_property
 from math import gcd
 
 import msgspec
+import numpy as np
 
 from pdserve.state.block_table import Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
@@ -52,12 +59,28 @@ class DestAllocation(msgspec.Struct):
     staging_slots: list[list[int]] = []  # per rank, aligned with slots, when conv layouts differ
 
 
-class TransferPlan(msgspec.Struct):
-    reads: list[Read]
-    units: dict[str, int]                # bytes per prepared descriptor, per kind
-    bytes_by_kind: dict[str, int]
-    src_tp: int
-    dst_tp: int
+# Columns of a plan's table; KIND is the index into KINDS, STAGED is 0 or 1.
+COLUMNS = SRC, DST, KIND, LAYER, SOFF, DOFF, LEN, STAGED = range(8)
+
+
+def as_table(reads: list[Read]) -> np.ndarray:
+    rows = [(r.src_rank, r.dst_rank, KINDS.index(r.kind), r.layer, r.src_offset, r.dst_offset,
+             r.length, r.staged) for r in reads]
+    return np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+
+
+class TransferPlan:
+    def __init__(self, table: np.ndarray, units: dict[str, int], src_tp: int, dst_tp: int):
+        self.table = table                   # [reads, COLUMNS] int64
+        self.units = units                   # bytes per prepared descriptor, per kind
+        self.src_tp, self.dst_tp = src_tp, dst_tp
+        per_kind = np.bincount(table[:, KIND], weights=table[:, LEN], minlength=len(KINDS))
+        self.bytes_by_kind = {k: int(per_kind[i]) for i, k in enumerate(KINDS)}
+
+    @cached_property
+    def reads(self) -> list[Read]:
+        return [Read(s, d, KINDS[k], layer, so, do, n, bool(st))
+                for s, d, k, layer, so, do, n, st in self.table.tolist()]
 
     def for_rank(self, dst_rank: int) -> list[Read]:
         return [r for r in self.reads if r.dst_rank == dst_rank]
@@ -109,10 +132,10 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
                          "staging slot per moved slot")
 
     units = _units(manifest, dst, dshape)
-    latent: list[Read] = []
+    latent: list[np.ndarray] = []
     reads: list[Read] = []
     for r in ranks:
-        latent += _latent_reads(manifest, dst, r, units["mla_latent"])
+        latent.append(_latent_table(manifest, dst, r, units["mla_latent"]))
         src_slots = [manifest.kda_slot] + [s for _, s in manifest.checkpoints]
         for i, (ss, ds) in enumerate(zip(src_slots, dst.slots[r])):
             conv_dst = dst.staging_slots[r][i] if staged else ds
@@ -121,9 +144,9 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
             reads += _stamp_layers(
                 per_layer, lambda s: _recurrent_reads(manifest, src, dshape, r, s, ds)
                 + _conv_reads(manifest, src, dshape, r, s, conv_dst, staged))
-    reads = latent + coalesce(reads)  # across slots (running + checkpoints) of one layer
-    by_kind = {k: sum(x.length for x in reads if x.kind == k) for k in KINDS}
-    return TransferPlan(reads, units, by_kind, p, d)
+    # KDA runs coalesce across slots (running + checkpoints) of one layer
+    table = np.concatenate(latent + [as_table(coalesce(reads))])
+    return TransferPlan(table, units, p, d)
 
 
 def _units(m: StateManifest, dst: DestAllocation, dshape: RankShapes) -> dict[str, int]:
@@ -147,41 +170,40 @@ def _units(m: StateManifest, dst: DestAllocation, dshape: RankShapes) -> dict[st
             "kda_conv": gcd(conv_unit, st.conv_slot)}
 
 
-def _local_position(topo: Topology, t: int) -> int:
-    """Position of global token t within its DCP rank's pages."""
-    block = topo.interleave * topo.dcp
-    return (t // block) * topo.interleave + t % topo.interleave
-
-
-def _latent_reads(m: StateManifest, dst: DestAllocation, r: int, unit: int) -> list[Read]:
+def _latent_table(m: StateManifest, dst: DestAllocation, r: int, unit: int) -> np.ndarray:
+    """Rank r's latent reads as table rows: its units in token order (numpy: at 128K context
+    with DCP these are thousands of one-page runs), runs coalesced while both sides stay
+    contiguous, repeated for every MLA layer."""
     src_rank = r % m.topology.tp
     row = m.shapes.latent_width * dtype_of(m.layout.latent_dtype).itemsize
     ps, pd, g = m.layout.page_tokens, dst.layout.page_tokens, unit // row
-    topo, src_pages, dst_pages = dst.topology, m.latent_pages[0], dst.latent_pages[r]
+    topo, dst_pages = dst.topology, dst.latent_pages[r]
     page_stride = m.source_strides().latent_page
     need = -(-topo.local_count(r if topo.dcp > 1 else 0, m.num_tokens) // pd)
     if len(dst_pages) < need:
         raise ValueError(f"destination rank {r}: {len(dst_pages)} latent pages allocated, "
                          f"{need} needed for its tokens")
-    # Runs are built in token order, extending the last one while both sides stay contiguous
-    # (no sort: at 128K context this is the bulk of the plan).
-    runs: list[list[int]] = []
     n, il = m.num_tokens, topo.interleave
-    spans = ([(b, min(b + il, n)) for b in range(r * il, n, il * topo.dcp)] if topo.dcp > 1
-             else [(0, n)])
-    for lo, hi in spans:
-        for t0 in range(lo, hi, g):
-            lp = _local_position(topo, t0) if topo.dcp > 1 else t0
-            # whole units even at the tail: the rows past N are zeroed on arrival (backend)
-            so = src_pages[t0 // ps] * page_stride + (t0 % ps) * row
-            do = (dst_pages[lp // pd] * pd + lp % pd) * row
-            last = runs[-1] if runs else None
-            if last and last[0] + last[2] == so and last[1] + last[2] == do:
-                last[2] += unit
-            else:
-                runs.append([so, do, unit])
-    return [Read(src_rank, r, "mla_latent", layer, so, do, n)
-            for layer in range(m.shapes.n_mla) for so, do, n in runs]
+    if topo.dcp > 1:
+        # unit starts in rank r's local positions, and the global tokens they hold (g divides
+        # the interleave, so a unit never straddles two DCP runs)
+        lp = np.arange(0, topo.local_count(r, n), g, dtype=np.int64)
+        t0 = lp // il * il * topo.dcp + r * il + lp % il
+    else:
+        lp = t0 = np.arange(0, n, g, dtype=np.int64)
+    # whole units even at the tail: the rows past N are zeroed on arrival (backend)
+    so = np.asarray(m.latent_pages[0], dtype=np.int64)[t0 // ps] * page_stride + t0 % ps * row
+    do = (np.asarray(dst_pages, dtype=np.int64)[lp // pd] * pd + lp % pd) * row
+    breaks = np.ones(len(so), dtype=bool)  # a unit that does not continue the previous one
+    breaks[1:] = (so[1:] != so[:-1] + unit) | (do[1:] != do[:-1] + unit)
+    starts = np.flatnonzero(breaks)
+    lengths = np.diff(np.r_[starts, len(so)]) * unit
+    runs = np.zeros((len(starts), len(COLUMNS)), dtype=np.int64)
+    runs[:, SRC], runs[:, DST], runs[:, KIND] = src_rank, r, KINDS.index("mla_latent")
+    runs[:, SOFF], runs[:, DOFF], runs[:, LEN] = so[starts], do[starts], lengths
+    table = np.tile(runs, (m.shapes.n_mla, 1))
+    table[:, LAYER] = np.repeat(np.arange(m.shapes.n_mla), len(runs))
+    return table
 
 
 def _head_overlaps(src: RankShapes, dst: RankShapes, r: int):
