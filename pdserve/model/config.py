@@ -34,6 +34,11 @@ class LinearAttnConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False)
     short_conv_kernel_size: int = 4
     gate_lower_bound: float | None = None  # K3 bounded decay; None = Kimi Linear softplus
     use_full_rank_gate: bool = False       # K3 output gate g = W_g x; else g_b(g_a(x))
+    # eps of the gated RMSNorm on the KDA output (o_norm). Not `rms_norm_eps`: vLLM 0.26 builds
+    # o_norm without one, so fla's default 1e-5 applies whatever the config says. The seeded
+    # decays leave tiny per-head outputs (mean o^2 ~1e-5), where 1e-6 vs 1e-5 rescales a head
+    # up to 3x: the two engines must agree on it.
+    o_norm_eps: float = 1e-5
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -161,6 +166,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
             raise ConfigError("mla_use_nope", "only NoPE MLA is supported (Kimi models are NoPE)")
         if self.rms_norm_eps <= 0:
             raise ConfigError("rms_norm_eps", f"must be positive, got {self.rms_norm_eps}")
+        if la.o_norm_eps <= 0:
+            raise ConfigError("linear_attn_config.o_norm_eps", f"must be positive, got {la.o_norm_eps}")
         self._validate_moe()
         self._validate_tp(tp)
 

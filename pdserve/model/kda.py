@@ -26,7 +26,7 @@ class KDAAttention(nn.Module):
         la = config.linear_attn_config
         hidden, H, D, W = config.hidden_size, la.num_heads, la.head_dim, la.short_conv_kernel_size
         self.heads, self.head_dim = tp.split(H, "linear_attn_config.num_heads"), D
-        self.lower_bound, self.eps = la.gate_lower_bound, config.rms_norm_eps
+        self.lower_bound, self.eps = la.gate_lower_bound, la.o_norm_eps
         proj = H * D
         self.q_proj = Linear(hidden, proj, tp, "column", dtype)
         self.k_proj = Linear(hidden, proj, tp, "column", dtype)
