@@ -1,7 +1,8 @@
-"""Ray actors: one per prefill or decode rank, grouped into instances by placement groups.
+"""Ray actors: one per prefill, decode or monolithic rank, grouped into instances by placement
+groups.
 
-A rank actor hosts a `PrefillRank` or `DecodeRank`; TP ranks of an instance join one
-torch.distributed group (gloo on CPU, NCCL on GPU) and are packed together (STRICT_PACK).
+A rank actor hosts a `PrefillRank`, `DecodeRank` or `MonolithicRank`; TP ranks of an instance
+join one torch.distributed group (gloo on CPU, NCCL on GPU) and are packed together (STRICT_PACK).
 `RayRanks` drives an instance's actors in lockstep with a deadline on every call.
 """
 from __future__ import annotations
@@ -50,9 +51,12 @@ class RankActor:
         if self.role == "prefill":
             from pdserve.prefill.engine import PrefillRank
             self.obj = PrefillRank(self.instance, self.rank, tp=tp, **kwargs)
-        else:
+        elif self.role == "decode":
             from pdserve.decode.rank import DecodeRank
             self.obj = DecodeRank(self.instance, self.rank, tp=tp, **kwargs)
+        else:
+            from pdserve.decode.rank import MonolithicRank
+            self.obj = MonolithicRank(self.instance, self.rank, tp=tp, **kwargs)
         return {"pid": __import__("os").getpid(), "node": ray.util.get_node_ip_address()}
 
     def call(self, method: str, *args):
@@ -112,9 +116,14 @@ class Instance:
             pass
 
 
+ROLES = ("prefill", "decode", "monolithic")
+
+
 def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
                    cpus: float, gpus: float, timeout_s: float, threads: int = 0) -> Instance:
     """Create the placement group and rank actors of one instance and set its ranks up."""
+    if role not in ROLES:
+        raise ValueError(f"instance {name}: role must be one of {', '.join(ROLES)}, got {role!r}")
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     pg = placement_group([bundle] * tp, strategy="STRICT_PACK", name=f"{name}-g{generation}")
     if not pg.wait(timeout_seconds=timeout_s):
@@ -131,7 +140,8 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
         threads = threads or max(1, int(cpus + 0.999))
         ray.get([a.setup.remote(master, {**kwargs, "generation": generation}, threads)
                  for a in actors], timeout=timeout_s)
-        agents = ranks.call("info")
+        # NIXL agents of the ranks; a monolithic rank transfers nothing and has none
+        agents = [] if role == "monolithic" else ranks.call("info")
     except Exception:
         Instance(role, name, generation, ranks, pg).kill()
         raise

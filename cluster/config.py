@@ -2,6 +2,11 @@
 
 Every invalid field is reported with its dotted path (`decode.tp: ...`), and `describe()` prints
 the topology and its capacity without starting anything (`pdserve check`).
+
+`mode` (a top-level key) picks the deployment: "disaggregated" (the default: a prefill pool and a
+decode pool, state moved over NIXL) or "monolithic" (instances whose ranks prefill and decode
+themselves, no transfer: the baseline that measures what disaggregation costs). A monolithic
+deployment is sized by `[decode]`; `[prefill]` and `[transfer]` are not used.
 """
 from __future__ import annotations
 
@@ -78,6 +83,7 @@ class ResourcesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    mode: Literal["disaggregated", "monolithic"] = "disaggregated"
     model: ModelSection = ModelSection()
     state: StateSection = StateSection()
     prefill: PrefillSection = PrefillSection()
@@ -85,6 +91,15 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer: TransferSection = TransferSection()
     api: ApiSection = ApiSection()
     resources: ResourcesSection = ResourcesSection()
+
+    @property
+    def monolithic(self) -> bool:
+        return self.mode == "monolithic"
+
+    @property
+    def num_ranks(self) -> int:
+        decode = self.decode.instances * self.decode.tp
+        return decode if self.monolithic else decode + self.prefill.instances * self.prefill.tp
 
     @property
     def device(self) -> str:
@@ -128,6 +143,16 @@ def validate(cfg: ServeConfig) -> ModelConfig:
     if cfg.prefill.engine == "vllm":
         raise ConfigError("prefill.engine", "the vllm engine (pdserve.prefill.vllm_engine, "
                           "docs/vllm.md) is not wired into `pdserve serve` yet; use 'reference'")
+    if cfg.monolithic:
+        # A monolithic rank runs the reference engine's step for prefill and decode alike
+        # (pdserve.model.generate.ReferenceEngine): no fused kernels, no captured steps.
+        if cfg.decode.backend != "reference":
+            raise ConfigError("decode.backend", f"mode = \"monolithic\" runs the reference engine; "
+                              f"got {cfg.decode.backend!r} (the cutedsl backend needs mode = "
+                              "\"disaggregated\")")
+        if cfg.decode.cuda_graphs:
+            raise ConfigError("decode.cuda_graphs", "not available with mode = \"monolithic\" "
+                              "(the reference engine's step runs eagerly)")
     if cfg.decode.cuda_graphs and cfg.device != "cuda":
         raise ConfigError("decode.cuda_graphs", "needs GPUs (resources.gpus_per_rank > 0)")
     if cfg.decode.cuda_graphs and cfg.decode.tp > 1:
@@ -149,11 +174,15 @@ def validate(cfg: ServeConfig) -> ModelConfig:
     except ConfigError as exc:
         raise ConfigError(f"model.{exc.field}" if exc.field != "model" else "model.name",
                           str(exc).split(": ", 1)[1]) from None
-    for section, tp in (("prefill", cfg.prefill.tp), ("decode", cfg.decode.tp)):
+    pools = [("decode", cfg.decode.tp)] if cfg.monolithic else [("prefill", cfg.prefill.tp),
+                                                                  ("decode", cfg.decode.tp)]
+    for section, tp in pools:
         try:
             model.validate(tp)
         except ConfigError as exc:
             raise ConfigError(f"{section}.tp", f"TP={tp} does not fit the model: {exc}") from None
+    if cfg.monolithic:
+        return model  # no transfer: no prefill -> decode topology to check
     try:
         check_topology(RankShapes.of(model, cfg.prefill.tp), Topology(cfg.prefill.tp),
                        Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave))
@@ -175,16 +204,18 @@ def load_serve_config(path: str | Path | None = None) -> tuple[ServeConfig, Mode
     except msgspec.ValidationError as exc:
         msg, _, where = str(exc).partition(" - at `$.")
         field = where.rstrip("`") or (msg.split("`")[1] if "`" in msg else "?")
+        if "unknown field `mode`" in msg:  # TOML puts a key after [section] into that section
+            msg += "; `mode` is a top-level key: put it above the first [section]"
         raise ConfigError(field, msg + _allowed(field)) from None
     return cfg, validate(cfg)
 
 
 def _allowed(field: str) -> str:
-    """' (one of ...)' for a Literal-typed `section.field`, else ''."""
+    """' (one of ...)' for a Literal-typed `section.field` or top-level key, else ''."""
     section, _, name = field.partition(".")
     try:
-        sec = get_type_hints(ServeConfig)[section]
-        args = get_args(get_type_hints(sec)[name])
+        hint = get_type_hints(ServeConfig)[section]
+        args = get_args(get_type_hints(hint)[name] if name else hint)
     except (KeyError, TypeError):
         return ""
     return f" (one of: {', '.join(map(str, args))})" if args else ""
@@ -196,22 +227,30 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
 
     lines = [f"model {cfg.model.name}: {model.num_hidden_layers} layers "
              f"({len(model.kda_layer_ids)} KDA, {len(model.mla_layer_ids)} MLA), dtype {cfg.model.dtype}"]
-    for role, sec in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+    if cfg.monolithic:
+        pools = [("monolithic", cfg.decode, f" (prefill + decode in each rank, no transfer), "
+                  f"backend {cfg.decode.backend}, max batch {cfg.decode.max_batch}")]
+    else:
+        pools = [("prefill", cfg.prefill, f", engine {cfg.prefill.engine}"),
+                 ("decode", cfg.decode, f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}, "
+                  f"max batch {cfg.decode.max_batch}")]
+    for role, sec, extra in pools:
         shapes = RankShapes.of(model, sec.tp)
         sizes = RegionSizes.of(shapes, cfg.layout(sec.conv_layout))
         slot = shapes.n_kda * (sizes.recurrent_slot + sizes.conv_slot)
         page = shapes.n_mla * sizes.latent_page
-        extra = f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}, max batch " \
-                f"{cfg.decode.max_batch}" if role == "decode" else f", engine {cfg.prefill.engine}"
         lines.append(f"{role}: {sec.instances} instance(s) x TP {sec.tp}{extra}")
         lines.append(f"  per rank: {sec.num_slots - 1} KDA slots x {slot / 2**20:.2f} MiB, "
                      f"{sec.num_pages - 1} latent pages x {page / 2**20:.3f} MiB "
                      f"({(sec.num_pages - 1) * cfg.state.page_tokens:,} tokens); state "
                      f"{((sec.num_slots * slot) + sec.num_pages * page) / 2**30:.3f} GiB")
-    lines.append(f"transfer: deadline {cfg.transfer.deadline_s} s + bytes / "
-                 f"{cfg.transfer.expected_gbps} GB/s, lease {cfg.transfer.lease_s} s, "
-                 f"verify {cfg.transfer.verify}")
+    if cfg.monolithic:
+        lines.append("  sized by [decode]; [prefill] and [transfer] are not used in this mode")
+    else:
+        lines.append(f"transfer: deadline {cfg.transfer.deadline_s} s + bytes / "
+                     f"{cfg.transfer.expected_gbps} GB/s, lease {cfg.transfer.lease_s} s, "
+                     f"verify {cfg.transfer.verify}")
     lines.append(f"api: http://{cfg.api.host}:{cfg.api.port}/v1 (queue {cfg.api.max_queue})")
     lines.append(f"resources: {cfg.resources.cpus_per_rank} CPU + {cfg.resources.gpus_per_rank} "
-                 f"GPU per rank; {cfg.prefill.instances * cfg.prefill.tp + cfg.decode.instances * cfg.decode.tp} ranks")
+                 f"GPU per rank; {cfg.num_ranks} ranks")
     return "\n".join(lines)

@@ -65,7 +65,11 @@ def run_demo(cfg, model, n: int, max_tokens: int, address=None) -> int:
             q = statistics.quantiles(itl, n=10) if len(itl) > 1 else [itl[0]] * 9
             print(f"  inter-token latency p50 {statistics.median(itl) * 1e3:.1f} ms, "
                   f"p90 {q[8] * 1e3:.1f} ms")
-        st = router.stats()
-        print(f"  transfers: {int(st.get('transfers', 0))}, bytes by kind: " + ", ".join(
-            f"{k[len('transfer_bytes_'):]} {int(v)}" for k, v in st.items() if k.startswith("transfer_bytes_")))
+        if cfg.monolithic:
+            print("  transfers: none (monolithic mode: each instance prefills and decodes)")
+        else:
+            st = router.stats()
+            print(f"  transfers: {int(st.get('transfers', 0))}, bytes by kind: " + ", ".join(
+                f"{k[len('transfer_bytes_'):]} {int(v)}" for k, v in st.items()
+                if k.startswith("transfer_bytes_")))
     return 0

@@ -1,8 +1,11 @@
-"""The router: the API's `GenerationBackend` over Ray prefill and decode instances.
+"""The router: the API's `GenerationBackend` over Ray prefill and decode instances, or over
+monolithic instances.
 
 Per request (DESIGN.md §2): pick a prefill instance (least queued prompt tokens), prefill there
 (first token + state handle), pick a decode instance (most free pages, then least running), pull
-the state into it and stream its tokens. Failures are handled here:
+the state into it and stream its tokens. In monolithic mode (no prefill instances) the picked
+instance prefills the request itself and streams every token, the same way. Failures are handled
+here:
 - a prefill instance dies -> the request is prefilled on another one;
 - a transfer fails -> one retry (a fresh prefill of prompt + tokens streamed: the prefill's first
   token is streamed at once, before the transfer), then an error event;
@@ -26,7 +29,7 @@ import msgspec
 
 from pdserve.api.backend import BackendUnavailable
 from pdserve.decode.batcher import Batcher, Overloaded, TokenEvent
-from pdserve.decode.instance import DecodeInstance
+from pdserve.decode.instance import RankEngine
 from pdserve.model.sampling import Request
 
 from pdserve.cluster.actors import Instance, InstanceLost
@@ -38,6 +41,9 @@ LOST = ("InstanceLost", "PeerLost")
 # Each poll is a call into the rank actors that queues between their decode steps, so polling
 # every 50 ms showed up in the inter-token latency tail; 200 ms frees state soon enough.
 POLL_S = 0.2
+# With nothing in flight only liveness and lease expiry are left to watch: poll less, so an idle
+# server costs its host's cores little (ten rank calls a second showed up as CPU load).
+IDLE_POLL_S = 1.0
 
 
 class PrefillQueue:
@@ -95,16 +101,23 @@ class PrefillQueue:
 
 
 class DecodeSlot:
-    def __init__(self, inst: Instance, engine: DecodeInstance, max_batch: int, max_queue: int):
+    """A decode (or monolithic) instance, its step engine and the batcher that drives it."""
+
+    def __init__(self, inst: Instance, engine: RankEngine, max_batch: int, max_queue: int):
         self.inst, self.engine = inst, engine
         self.batcher = Batcher(engine, max_batch=max_batch, max_queue=max_queue)
         self.stats: dict = {}
 
 
 class Router:
+    """`prefill` empty: `decode` holds monolithic instances (`MonolithicInstance` engines),
+    which take the `Request` itself and prefill it."""
+
     def __init__(self, model_name: str, max_context: int, prefill: list[Instance],
                  decode: list[DecodeSlot], max_queue: int = 256, prefill_idle_threads: int = 0):
         self.model_name, self.max_context = model_name, max_context
+        self.monolithic = not prefill
+        self.kind = "monolithic" if self.monolithic else "decode"  # for messages
         self.prefill = [PrefillQueue(p, idle_threads=prefill_idle_threads,
                                      decode_idle=self._decode_idle) for p in prefill]
         self.decode = decode
@@ -121,33 +134,40 @@ class Router:
             raise BackendUnavailable("the server is shutting down")
         if self.in_flight >= self.max_queue:
             raise Overloaded(f"{self.in_flight} requests in flight (max {self.max_queue})", 1.0)
-        if not any(p.inst.alive for p in self.prefill) or not any(d.inst.alive for d in self.decode):
-            raise BackendUnavailable("no live prefill or decode instance")
+        why = self.health()
+        if why is not None:
+            raise BackendUnavailable(why)
         self.in_flight += 1
         end = None if deadline_s is None else time.monotonic() + deadline_s
         rid = request.request_id
+        # one seed for every attempt: a resumed request continues the same random stream
+        request = Request(rid, request.prompt, request.params.with_seed())
         emitted: list[int] = []
         transfer_retry = True
         try:
             current = request
             while True:
-                handle = await self._prefill(current, end)
+                handle, skip = None, 0
+                if not self.monolithic:
+                    handle = await self._prefill(current, end)
                 slot = self._pick_decode()
                 if slot is None:
-                    self._cancel_source(handle)
-                    raise BackendUnavailable("no live decode instance")
+                    if handle is not None:
+                        self._cancel_source(handle)
+                    raise BackendUnavailable(f"no live {self.kind} instance")
                 failed = None
                 # The first token is the prefill's: stream it now, not after the transfer and
                 # decode admission (TTFT is the prefill's latency), and drop the decode stream's
                 # copy of it.
-                skip = 0
-                if handle.finished is None:
+                if handle is not None and handle.finished is None:
                     emitted.append(handle.first_token)
                     yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None)
                     skip = 1
                 decoded = 0
                 left = None if end is None else max(end - time.monotonic(), 0.01)
-                async with aclosing(slot.batcher.stream(handle, current.request_id, left)) as events:
+                # a decode instance takes the state handle, a monolithic one the request
+                work = current if handle is None else handle
+                async with aclosing(slot.batcher.stream(work, current.request_id, left)) as events:
                     async for ev in events:
                         if ev.token is not None:
                             decoded += 1
@@ -166,16 +186,18 @@ class Router:
                 # what failed, and can we go on elsewhere?
                 if any(k in failed for k in LOST):
                     slot.inst.alive = False
-                    log.warning("decode instance %s lost: %s", slot.inst.name, failed)
+                    log.warning("%s instance %s lost: %s", self.kind, slot.inst.name, failed)
                 elif "PoolExhausted" in failed:
-                    self._cancel_source(handle)
+                    if handle is not None:
+                        self._cancel_source(handle)
                     if emitted:  # the first token is out: a 429 can no longer be sent
                         yield TokenEvent(rid, None, len(emitted), "error",
-                                         f"decode instances are full: {failed}")
+                                         f"{self.kind} instances are full: {failed}")
                         return
-                    raise Overloaded(f"decode instances are full: {failed}", 1.0)
-                elif decoded or not transfer_retry or "deadline" in failed:
-                    # failed mid-stream, or the retry is spent: no silent second attempt
+                    raise Overloaded(f"{self.kind} instances are full: {failed}", 1.0)
+                elif decoded or not transfer_retry or "deadline" in failed or self.monolithic:
+                    # failed mid-stream, or the retry is spent, or nothing was transferred to
+                    # retry (monolithic): no silent second attempt
                     yield TokenEvent(rid, None, len(emitted), "error", failed)
                     return
                 else:
@@ -184,7 +206,7 @@ class Router:
                     log.warning("request %s: retrying after %s", rid, failed)
                 if not any(d.inst.alive for d in self.decode):
                     yield TokenEvent(rid, None, len(emitted), "error",
-                                     f"no live decode instance left ({failed})")
+                                     f"no live {self.kind} instance left ({failed})")
                     return
                 current = self._resume(request, emitted)
                 if current is None:  # everything had been streamed already
@@ -210,10 +232,10 @@ class Router:
     def health(self) -> str | None:
         if self._closed:
             return "shutting down"
-        if not any(p.inst.alive for p in self.prefill):
+        if not self.monolithic and not any(p.inst.alive for p in self.prefill):
             return "no live prefill instance"
         if not any(d.inst.alive for d in self.decode):
-            return "no live decode instance"
+            return f"no live {self.kind} instance"
         return None
 
     async def close(self) -> None:
@@ -299,4 +321,4 @@ class Router:
                         d.inst.alive = False
                     except Exception:
                         log.exception("stats of %s failed", d.inst.name)
-            time.sleep(POLL_S)
+            time.sleep(POLL_S if self.in_flight else IDLE_POLL_S)

@@ -1,4 +1,5 @@
-"""Start a disaggregated deployment on Ray and serve it over HTTP (`pdserve serve` / `demo`).
+"""Start a deployment on Ray and serve it over HTTP (`pdserve serve` / `demo`): disaggregated
+(prefill and decode instances) or monolithic (instances that do both), per the config's `mode`.
 
 Locally `ray.init()` starts an embedded cluster; inside `ray job submit` (RAY_ADDRESS is set) or
 with `--address`, it attaches to the running cluster.
@@ -15,7 +16,7 @@ import ray
 from pdserve.cluster.actors import start_instance
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.router import DecodeSlot, Router
-from pdserve.decode.instance import DecodeInstance
+from pdserve.decode.instance import DecodeInstance, MonolithicInstance
 from pdserve.model.config import PRESETS
 from pdserve.state.block_table import Topology
 from pdserve.transfer.dest import TransferConfig
@@ -30,10 +31,14 @@ def _init_ray(cfg: ServeConfig, address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
         return
-    ranks = cfg.prefill.instances * cfg.prefill.tp + cfg.decode.instances * cfg.decode.tp
-    need = ranks * cfg.resources.cpus_per_rank
+    need = cfg.num_ranks * cfg.resources.cpus_per_rank
     ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False)
+
+
+def _eos(model) -> set[int]:
+    eos = model.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -> Router:
@@ -44,6 +49,8 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
         checkpoint = cfg.model.name
     common = dict(config=model, seed=cfg.model.seed, checkpoint=checkpoint, device=cfg.device,
                   dtype=cfg.model.dtype)
+    if cfg.monolithic:
+        return _start_monolithic(cfg, common, _eos(model), progress)
     res = cfg.resources
     prefill, decode = [], []
     try:
@@ -80,8 +87,7 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
         return ray.get(actor.call.remote("digests", handle.request_id, runs),
                        timeout=res.call_timeout_s)
 
-    eos = model.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos = _eos(model)
     slots = []
     for d in decode:
         engine = DecodeInstance(d.name, d.ranks, cfg.layout(cfg.decode.conv_layout), eos,
@@ -93,6 +99,31 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
     router = Router(cfg.model.name, max_context, prefill, slots, cfg.api.max_queue,
                     cfg.resources.prefill_idle_threads)
     router.instances = prefill + decode
+    return router
+
+
+def _start_monolithic(cfg: ServeConfig, common: dict, eos: set[int], progress) -> Router:
+    """Instances whose ranks prefill and decode (sized by [decode]); the same placement, rank
+    actors, batcher and router as the disaggregated deployment, no prefill pool, no transfer."""
+    res, sec = cfg.resources, cfg.decode
+    insts = []
+    try:
+        for i in range(sec.instances):
+            progress(f"starting monolithic-{i} (TP {sec.tp}, prefill + decode) ...")
+            insts.append(start_instance(
+                "monolithic", f"monolithic-{i}", 0, sec.tp,
+                dict(common, layout=cfg.layout(sec.conv_layout), num_pages=sec.num_pages,
+                     num_slots=sec.num_slots),
+                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
+    except Exception:
+        for inst in insts:
+            inst.kill()
+        raise
+    slots = [DecodeSlot(m, MonolithicInstance(m.name, m.ranks, eos, res.prefill_idle_threads),
+                        min(sec.max_batch, sec.num_slots - 1), cfg.api.max_queue) for m in insts]
+    router = Router(cfg.model.name, (sec.num_pages - 1) * cfg.state.page_tokens, [], slots,
+                    cfg.api.max_queue)
+    router.instances = insts
     return router
 
 

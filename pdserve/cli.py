@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     e.set_defaults(func=cmd_export)
 
     for name, helptext, func in (
-            ("serve", "start the disaggregated cluster on Ray and serve the OpenAI API", cmd_serve),
+            ("serve", "start the cluster on Ray (disaggregated, or the config's monolithic mode) "
+                      "and serve the OpenAI API", cmd_serve),
             ("demo", "start the default cluster, stream a few requests, print a summary, exit", cmd_demo),
             ("check", "validate a cluster config and print its topology and capacity", cmd_check)):
         c = sub.add_parser(name, help=helptext)

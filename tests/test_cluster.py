@@ -42,10 +42,11 @@ def config(prefill_instances=1, prefill_tp=1, decode_instances=1, decode_tp=1, *
     return cfg, validate(cfg)
 
 
-def monolithic(prompts, max_tokens):
+def monolithic(prompts, max_tokens, params=None):
+    """The reference generate loop's tokens (greedy unless `params` says otherwise)."""
     eng = ReferenceEngine(build_model(preset("tiny"), seed=0))
     return [s.output for s in eng.generate([list(p.encode()) for p in prompts],
-                                           SamplingParams(max_tokens=max_tokens))]
+                                           params or SamplingParams(max_tokens=max_tokens))]
 
 
 def completion_ids(client, prompt, max_tokens, stream):

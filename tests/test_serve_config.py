@@ -31,6 +31,14 @@ def test_shipped_configs_validate(path):
     ("[model]\nname = \"gpt-9\"\n", "model.name", "gpt-9"),
     ("[decode]\nbatch = 4\n", "decode", "batch"),
     ("[resources]\nprefill_idle_threads = -1\n", "resources.prefill_idle_threads", ">= 0"),
+    ("mode = \"mono\"\n", "mode", "one of: disaggregated, monolithic"),
+    ("mode = 1\n", "mode", "Expected `str`"),
+    ("[decode]\nmode = \"monolithic\"\n", "decode", "top-level key"),
+    ("mode = \"monolithic\"\n[decode]\nbackend = \"cutedsl\"\n", "decode.backend", "monolithic"),
+    ("mode = \"monolithic\"\n[decode]\ncuda_graphs = true\n[resources]\ngpus_per_rank = 1\n",
+     "decode.cuda_graphs", "monolithic"),
+    ("mode = \"monolithic\"\n[decode]\ntp = 3\n", "decode.tp", "TP=3"),
+    ("mode = \"monolithic\"\n[decode]\ninstances = 0\n", "decode.instances", "positive"),
 ])
 def test_bad_fields_are_named(tmp_path, toml, field, words):
     path = tmp_path / "bad.toml"
@@ -48,3 +56,27 @@ def test_missing_file_and_bad_toml(tmp_path):
     bad.write_text("[decode\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_serve_config(bad)
+
+
+def test_check_prints_the_monolithic_topology(capsys):
+    from pdserve.cli import main
+
+    assert main(["check", "--config", str(CONFIGS / "local-tiny-monolithic.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "monolithic: 1 instance(s) x TP 1 (prefill + decode in each rank, no transfer)" in out
+    assert "[prefill] and [transfer] are not used" in out and "1 ranks" in out
+    assert "\nprefill:" not in out and "\ntransfer:" not in out
+    assert main(["check"]) == 0  # the default stays disaggregated
+    out = capsys.readouterr().out
+    assert "prefill: 1 instance(s)" in out and "decode: 1 instance(s)" in out and "2 ranks" in out
+
+
+def test_mode_defaults_to_disaggregated_and_monolithic_ignores_the_prefill_pool(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text("[decode]\ntp = 2\n")
+    cfg, _ = load_serve_config(path)
+    assert cfg.mode == "disaggregated" and not cfg.monolithic and cfg.num_ranks == 3
+    # TP 3 does not fit tiny, but a monolithic deployment has no prefill pool to check
+    path.write_text("mode = \"monolithic\"\n[prefill]\ntp = 3\n[decode]\ninstances = 2\ntp = 2\n")
+    cfg, _ = load_serve_config(path)
+    assert cfg.monolithic and cfg.num_ranks == 4

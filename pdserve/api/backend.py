@@ -71,9 +71,10 @@ class _AdmissionLog:
 
 
 class LocalBackend:
-    """Monolithic serving: one `ReferenceEngine` prefills and decodes, a `Batcher` batches.
-
-    This is also the baseline the benchmark measures disaggregation against."""
+    """Monolithic serving in this process: one `ReferenceEngine` prefills and decodes, a
+    `Batcher` batches (no Ray). The cluster's own baseline is its config's `mode = "monolithic"`
+    (the same batcher over Ray rank actors); the serving benchmark reports this one for
+    reference."""
 
     def __init__(self, engine: ReferenceEngine, max_batch: int = 64, max_queue: int = 256,
                  model_name: str | None = None):

@@ -2,14 +2,19 @@
 
 `DecodeInstance` is a step engine for `Batcher`: `admit` pulls a request's state from its prefill
 instance into every rank (allocate -> plan -> READ -> verify -> notify), the first token comes
-with the handle, `decode` runs one TP-sharded step for the batch and samples each request with
-its own seeded generator, `release` frees the request on every rank at once.
+with the handle, `decode` runs one TP-sharded step for the batch, each request sampled on the
+ranks with its own seeded generator, `release` frees the request on every rank at once.
+
+`MonolithicInstance` is the same step engine over ranks that also prefill (`MonolithicRank`):
+`admit` reserves the request's state on every rank and `prefill` computes its first token there;
+no transfer. It is the baseline that measures what disaggregation costs.
 """
 from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from pdserve.model.generate import Sequence, sample_next
+from pdserve.model.generate import Sequence
+from pdserve.model.sampling import Request
 from pdserve.prefill.handle import StateHandle
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import StateLayout
@@ -46,10 +51,31 @@ class LocalRanks:
         return [getattr(r, method)(*a) for r, a in zip(self.ranks, args, strict=True)]
 
 
-class DecodeInstance:
+class RankEngine:
+    """What both kinds of instance do alike as a `Batcher` step engine: one decode step for the
+    batch on every rank (sampled there), and release on every rank."""
+
+    def __init__(self, name: str, ranks: RankGroup, eos: set[int]):
+        self.name, self.ranks, self.eos = name, ranks, eos
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        # The ranks sample (token ids come back, not logits): a step's round trip is a few
+        # integers each way, and this thread does no per-row torch work.
+        tokens = self.ranks.call("decode", [s.request_id for s in seqs],
+                                 [s.output[-1] for s in seqs], [len(s.output) for s in seqs])[0]
+        for s, t in zip(seqs, tokens, strict=True):
+            s.append(t, self.eos)
+        return tokens
+
+    def release(self, seq: Sequence) -> None:
+        self.ranks.call("free", seq.request_id)
+
+
+class DecodeInstance(RankEngine):
     def __init__(self, name: str, ranks: RankGroup, layout: StateLayout, eos: set[int],
                  topology: Topology | None = None, digests: DigestSource | None = None):
-        self.name, self.ranks, self.layout, self.eos = name, ranks, layout, eos
+        super().__init__(name, ranks, eos)
+        self.layout = layout
         self.topology = topology or Topology(tp=ranks.size)
         if self.topology.tp != ranks.size:
             raise ValueError(f"topology TP={self.topology.tp} but {ranks.size} ranks")
@@ -58,6 +84,8 @@ class DecodeInstance:
                              f"(got dcp={self.topology.dcp}); DCP transfers are")
         self.digests = digests
         self.transfers = 0
+        # (source instance, rank) -> the agent generation every rank of this instance knows
+        self._peers: dict[tuple[str, int], int] = {}
 
     # -- StepEngine -------------------------------------------------------------------------
     def admit(self, handle: StateHandle) -> Sequence:
@@ -68,14 +96,14 @@ class DecodeInstance:
                        handle.finished)
         if handle.finished:
             return seq
-        self.ranks.call("connect", handle.agents)
+        self._connect(handle.agents)
         parts = self._allocate(handle)
         alloc = DestAllocation(self.topology, self.layout, [p[0] for p in parts],
                                [p[1] for p in parts], [p[2] for p in parts])
         try:
             digests = self._digests(handle, alloc) if self.digests else [None] * self.ranks.size
-            self.ranks.call_each("receive", [(manifest, alloc, handle.instance, d, handle.request_id)
-                                             for d in digests])
+            self.ranks.call_each("receive", [(manifest, alloc, handle.instance, d,
+                                              handle.request_id, handle.params) for d in digests])
         except Exception as exc:
             self.ranks.call("abandon", manifest, alloc, handle.instance, handle.request_id)
             if isinstance(exc, TransferError):
@@ -87,15 +115,16 @@ class DecodeInstance:
     def prefill(self, seqs: list[Sequence]) -> None:
         """Nothing to run: the first token arrived with the state."""
 
-    def decode(self, seqs: list[Sequence]) -> list[int]:
-        logits = self.ranks.call("step", [s.request_id for s in seqs],
-                                 [s.output[-1] for s in seqs])[0]
-        return sample_next(seqs, logits, self.eos)
-
-    def release(self, seq: Sequence) -> None:
-        self.ranks.call("free", seq.request_id)
-
     # -- helpers ----------------------------------------------------------------------------
+    def _connect(self, agents: list) -> None:
+        """Make the ranks know the source agents. A known generation is skipped (a round trip
+        per request that stalled the running batch); a new or older one goes to the ranks,
+        which evict the old agent or refuse the stale one."""
+        if all(self._peers.get((a.instance, a.rank)) == a.generation for a in agents):
+            return
+        self.ranks.call("connect", agents)
+        self._peers.update({(a.instance, a.rank): a.generation for a in agents})
+
     def _allocate(self, handle: StateHandle) -> list:
         """Allocate on every rank; if any rank is full, give back what the others took."""
         extra = handle.params.max_tokens
@@ -115,3 +144,42 @@ class DecodeInstance:
             out.append({s: self.digests(handle, s, source_runs([x for x in mine if x.src_rank == s]))
                         for s in sorted({x.src_rank for x in mine})})
         return out
+
+
+class MonolithicInstance(RankEngine):
+    """Ranks that prefill and decode (`MonolithicRank`): no transfer, no prefill instance.
+
+    `idle_threads`: torch threads for a prefill call made while this instance holds no other
+    request (its decode would otherwise share the cores; 0 = the ranks' own setting)."""
+
+    def __init__(self, name: str, ranks: RankGroup, eos: set[int], idle_threads: int = 0):
+        super().__init__(name, ranks, eos)
+        self.idle_threads = idle_threads
+        self.held = 0  # admitted and not yet released
+
+    def admit(self, request: Request) -> Sequence:
+        # One seed for every rank (each samples the same rows) and for the request's lifetime.
+        request = Request(request.request_id, request.prompt, request.params.with_seed())
+        try:
+            self.ranks.call("admit", request)
+        except Exception:
+            if self.ranks.size > 1:  # a rank that did admit (one died, say) gives it back
+                try:
+                    self.ranks.call("free", request.request_id)
+                except Exception:
+                    pass  # the admission error, re-raised, says what went wrong
+            raise
+        self.held += 1
+        return Sequence(request.request_id, list(request.prompt), request.params,
+                        BlockTable([[]], 0, [], 0))
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        alone = self.idle_threads and self.held == len(seqs)
+        tokens = self.ranks.call("prefill", [s.request_id for s in seqs],
+                                 self.idle_threads if alone else None)[0]
+        for s, t in zip(seqs, tokens, strict=True):
+            s.append(t, self.eos)
+
+    def release(self, seq: Sequence) -> None:
+        self.held -= 1
+        super().release(seq)

@@ -1,7 +1,10 @@
-"""One TP rank of a decode instance: its model shard, its pools and its transfer endpoint.
+"""One TP rank of a decode instance: its model shard, its pools and its transfer endpoint; and
+one rank of a monolithic instance (prefill and decode in one engine, no transfer).
 
 The instance (`pdserve.decode.instance`) drives all ranks in lockstep; every method here is what
-one rank does for one call, whether it lives in this process or in a Ray actor.
+one rank does for one call, whether it lives in this process or in a Ray actor. Both kinds of
+rank sample on the rank (`decode` returns token ids, not logits), so a step's round trip carries
+a few integers whatever the vocabulary size.
 """
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import torch
 from pdserve.decode.graphs import DecodeGraphs
 from pdserve.kernels import registry
 from pdserve.model.batch import ForwardBatch
-from pdserve.model.generate import build_model
+from pdserve.model.generate import ReferenceEngine, Sequence, build_model
 from pdserve.model.parallel import TPGroup
+from pdserve.model.sampling import Request, SamplingParams, sample
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 from pdserve.state.manifest import StateManifest
@@ -24,6 +28,13 @@ from pdserve.transfer.planner import DestAllocation
 from pdserve.transfer.regions import RegionTable
 
 log = logging.getLogger("pdserve.decode")
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+                ) -> list[int]:
+    """Row i's token for output position `positions[i]`: exactly what the reference loop's
+    `sample_next` draws for the same logits (seeded by position, DESIGN.md §2)."""
+    return [sample(row, p, pos) for row, p, pos in zip(logits, params, positions, strict=True)]
 
 
 def kda_step_for(backend: str):
@@ -64,6 +75,7 @@ class DecodeRank:
                                        RegionTable.of_pools(self.pools), device),
                              self.pools, transfer)
         self.tables: dict[str, BlockTable] = {}
+        self.params: dict[str, SamplingParams] = {}
         self.device = device
 
     def info(self) -> AgentInfo:
@@ -88,15 +100,19 @@ class DecodeRank:
             self.pools.slots.free(slots + stage)
 
     def receive(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str,
-                digests: dict[int, list[int]] | None = None, request_id: str | None = None
-                ) -> dict:
+                digests: dict[int, list[int]] | None = None, request_id: str | None = None,
+                params: SamplingParams | None = None) -> dict:
         """Pull a request's state; it is then known here as `request_id` (the decode side's
         id), which may differ from the source's own id in the manifest (vLLM numbers its
-        requests itself)."""
+        requests itself). `params`: how `decode` samples it (seeded); a caller that only runs
+        `step` (logits) may leave it out."""
         lookup = None if digests is None else (lambda s, runs: digests[s])
         stats = self.dest.receive(manifest, alloc, src_instance, lookup)
-        self.tables[request_id or manifest.request_id] = BlockTable(
+        key = request_id or manifest.request_id
+        self.tables[key] = BlockTable(
             [alloc.latent_pages[self.rank]], alloc.slots[self.rank][0], [], manifest.num_tokens)
+        if params is not None:
+            self.params[key] = params
         for s in alloc.slots[self.rank][1:]:  # checkpoints are not needed to decode
             self.pools.slots.free([s])
         return stats
@@ -119,7 +135,21 @@ class DecodeRank:
             t.num_tokens += 1
         return logits.cpu() if self.rank == 0 else None
 
+    def decode(self, request_ids: list[str], tokens: list[int], positions: list[int]
+               ) -> list[int] | None:
+        """One decode step, sampled here: the token at output position `positions[i]` for each
+        request (rank 0; the others return None)."""
+        missing = [r for r in request_ids if r not in self.params]
+        if missing:
+            raise ValueError(f"requests {missing[:3]} were received without sampling params; "
+                             "`decode` samples with them (pass params to `receive`)")
+        logits = self.step(request_ids, tokens)
+        if logits is None:
+            return None
+        return sample_rows(logits, [self.params[r] for r in request_ids], positions)
+
     def free(self, request_id: str) -> None:
+        self.params.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table is not None:
             self.pools.latent.free(table.latent_pages[0])
@@ -153,3 +183,62 @@ class DecodeRank:
 
     def close(self) -> None:
         self.dest.agent.close()
+
+
+class MonolithicRank:
+    """One TP rank of a monolithic instance: a `ReferenceEngine` prefills and decodes the
+    request in this rank's pools; nothing is transferred. Driven in lockstep like a decode rank
+    (`MonolithicInstance`), with the same `decode` / `free` / `stats` calls."""
+
+    def __init__(self, instance: str, rank: int, config, tp: TPGroup | None = None,
+                 layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
+                 seed: int = 0, checkpoint: str | None = None, device: str = "cpu",
+                 generation: int = 0, dtype: str = "float32"):
+        # `generation` versions a transfer endpoint; a monolithic rank has none, and takes it
+        # only because every role is set up with the same arguments (`start_instance`).
+        self.instance, self.rank = instance, rank
+        model = build_model(config, tp or TPGroup(), dtype=dtype_of(dtype), seed=seed,
+                            checkpoint=checkpoint).to(device)
+        self.engine = ReferenceEngine(model, layout, num_pages, num_slots)
+        self.seqs: dict[str, Sequence] = {}
+
+    def admit(self, request: Request) -> None:
+        """Reserve the request's pages and slot; raises PoolExhausted (full) or ValueError.
+        `request.params` must carry a seed (every rank must draw the same one)."""
+        if request.params.seed is None:
+            raise ValueError(f"request {request.request_id}: unseeded parameters reached rank "
+                             f"{self.rank}; the instance seeds them once for all ranks")
+        self.seqs[request.request_id] = self.engine.admit(request)
+
+    def prefill(self, request_ids: list[str], threads: int | None = None) -> list[int] | None:
+        """Run the admitted prompts; each one's first token (rank 0). `threads`: torch threads
+        for this call only (the owner knows when nothing else is running)."""
+        seqs = [self.seqs[r] for r in request_ids]
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            first = self.engine.prefill(seqs)
+        finally:
+            torch.set_num_threads(before)
+        return first if self.rank == 0 else None
+
+    def decode(self, request_ids: list[str], tokens: list[int], positions: list[int]
+               ) -> list[int] | None:
+        """As `DecodeRank.decode`: one step fed `tokens`, sampled at `positions` (rank 0)."""
+        seqs = [self.seqs[r] for r in request_ids]
+        logits = self.engine.step(seqs, [[t] for t in tokens])
+        if self.rank != 0:
+            return None
+        return sample_rows(logits, [s.params for s in seqs], positions)
+
+    def free(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.engine.release(seq)
+
+    def stats(self) -> dict:
+        pools = self.engine.pools
+        return {"running": len(self.seqs), "pages_free": pools.latent.num_free,
+                "slots_free": pools.slots.num_free, "pages_total": pools.latent.capacity,
+                "slots_total": pools.slots.capacity}
