@@ -1,12 +1,16 @@
 """State transfer over real NIXL (UCX) for the kimi-linear-48b-a3b state shapes.
 
 For 8K and 128K-token requests and the topologies p=d=1, 2->1, 1->2 and d=2 with DCP 2 (interleave
-64: one page per DCP rank in turn; an extra row, labelled "-il1024", has interleave 1024), moves one
-request's full state (7 MLA layers of latent, 20 KDA layers of recurrent + conv) and reports GB/s
-against a memcpy of the same bytes in the same run, and the control overhead per request
-(plan + post + notify, the slowest destination rank's). As deployed, every rank is its own process
+64: one page per DCP rank in turn), moves one request's full state (7 MLA layers of latent, 20 KDA
+layers of recurrent + conv) and reports GB/s against a memcpy of the same bytes in the same run,
+and the control overhead per request (plan + post + notify, the slowest destination rank's).
+
+As deployed, the source pool places each request's latent pages for the decode topology
+(`LatentPool.decode_topology`: each DCP rank's pages contiguous), and every rank is its own process
 with its own NIXL agent: destination ranks pull concurrently; the wall time runs from telling them
-to start to the last one reporting done. On CPU, UCX moves DRAM between processes with CMA.
+to start to the last one reporting done. On CPU, UCX moves DRAM between processes with CMA. Two
+labelled extra rows read DCP 2 from token-ordered source pages (no placement, as before it
+existed): "-unplaced" at interleave 64 and "-il1024" at interleave 1024.
 
     python benchmarks/transfer.py [--contexts 8192 131072] [--repeats 5] [--out DIR] [--device cuda]
 """
@@ -37,21 +41,26 @@ from pdserve.transfer.regions import RegionTable
 from pdserve.transfer.source import SourceRank
 
 MODEL = "kimi-linear-48b-a3b"
-CASES = [("p1-d1", 1, Topology(1)), ("p2-d1", 2, Topology(1)), ("p1-d2", 1, Topology(2)),
-         ("p1-d2-dcp2", 1, Topology(2, 2, 64)),
-         # not an issue-3 case: with 16-page DCP runs, how much of the interleave-64 gap is the
-         # one-descriptor-per-page layout (same bytes, same topology)
-         ("p1-d2-dcp2-il1024", 1, Topology(2, 2, 1024))]
+# (name, p, destination topology, source pages placed for it)
+CASES = [("p1-d1", 1, Topology(1), True), ("p2-d1", 2, Topology(1), True),
+         ("p1-d2", 1, Topology(2), True), ("p1-d2-dcp2", 1, Topology(2, 2, 64), True),
+         # not issue-3 cases: DCP 2 from token-ordered source pages, i.e. without the placement
+         # (one descriptor per page at interleave 64, per 16 pages at interleave 1024)
+         ("p1-d2-dcp2-unplaced", 1, Topology(2, 2, 64), False),
+         ("p1-d2-dcp2-il1024", 1, Topology(2, 2, 1024), False)]
 REPLY_S = 120  # every wait on a rank process has a deadline
 
 
-def _pools(tp: int, pages: int, device: str) -> StatePools:
-    return StatePools(RankShapes.of(preset(MODEL)).at_tp(tp), StateLayout(), pages, 3, device)
+def _pools(tp: int, pages: int, device: str, decode_topology: Topology | None = None) -> StatePools:
+    # 3 slots: padding, the request's and (destination, p > d) its conv staging slot
+    return StatePools(RankShapes.of(preset(MODEL)).at_tp(tp), StateLayout(), pages, 3, device,
+                      conv_staging=True, decode_topology=decode_topology)
 
 
-def source_main(conn, instance: str, rank: int, p: int, n: int, pages: int, device: str):
+def source_main(conn, instance: str, rank: int, p: int, n: int, pages: int, device: str,
+                decode_topology: Topology | None):
     torch.set_num_threads(1)
-    pools = _pools(p, pages, device)
+    pools = _pools(p, pages, device, decode_topology)
     page_ids, slot = pools.latent.allocate(pages - 1), pools.slots.allocate(1)[0]
     for t in pools.regions().values():  # non-zero state (the zeroed-state check is always on)
         t.fill_(0.5)
@@ -94,7 +103,9 @@ def dest_main(conn, instance: str, rank: int, topo: Topology, pages: int, device
             stats = dst.receive(manifest, alloc, args[2])
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
-            dst.free(alloc)
+            # the request's state (receive already returned the staging slots), as decode does
+            pools.latent.free(alloc.latent_pages[rank])
+            pools.slots.free(alloc.slots[rank])
             conn.send(stats)
         elif cmd == "stop":
             dst.agent.close()
@@ -113,13 +124,15 @@ def _reply(conn):
     return conn.recv()
 
 
-def run_case(name: str, p: int, topo: Topology, n: int, repeats: int, device: str) -> dict:
+def run_case(name: str, p: int, topo: Topology, placed: bool, n: int, repeats: int,
+             device: str) -> dict:
     ctx = mp.get_context("spawn")
     pages = -(-n // StateLayout().page_tokens) + 2
     procs, src_conns, dst_conns = [], [], []
     for s in range(p):
         a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=source_main, args=(b, f"p-{name}", s, p, n, pages, device)))
+        procs.append(ctx.Process(target=source_main, args=(b, f"p-{name}", s, p, n, pages, device,
+                                                           topo if placed else None)))
         src_conns.append(a)
     for r in range(topo.tp):
         a, b = ctx.Pipe()
@@ -142,7 +155,7 @@ def run_case(name: str, p: int, topo: Topology, n: int, repeats: int, device: st
             for c in src_conns:
                 _ask(c, "hold")
             parts = [_ask(c, "allocate", manifest) for c in dst_conns]
-            alloc = DestAllocation(topo, StateLayout(), [x[0] for x in parts], [x[1] for x in parts])
+            alloc = DestAllocation(topo, StateLayout(), *map(list, zip(*parts)))
             t0 = time.perf_counter()
             for c in dst_conns:
                 c.send(("receive", manifest, alloc, f"p-{name}"))
@@ -164,6 +177,7 @@ def run_case(name: str, p: int, topo: Topology, n: int, repeats: int, device: st
             if x.is_alive():
                 x.kill()
     return {"case": name, "context": n, "p": p, "d": topo.tp, "dcp": topo.dcp,
+            "interleave": topo.interleave, "placed": placed,
             "bytes": rows[0][1], "seconds_median": statistics.median(r[0] for r in rows),
             "control_ms_median": statistics.median(r[2] for r in rows) * 1e3,
             "plan_ms_median": statistics.median(r[5] for r in rows) * 1e3,
@@ -204,12 +218,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM through UCX)")
     args = ap.parse_args()
     results = []
-    print(f"{'case':12s} {'context':>8s} {'MB':>8s} {'GB/s':>7s} {'memcpy':>7s} {'frac':>5s} "
+    print(f"{'case':20s} {'context':>8s} {'MB':>8s} {'GB/s':>7s} {'memcpy':>7s} {'frac':>5s} "
           f"{'par.copy':>8s} {'vs p=d':>6s} {'ctrl ms':>8s} {'descs':>6s}", flush=True)
     for n in args.contexts:
         base = None
-        for name, p, topo in CASES:
-            r = run_case(name, p, topo, n, args.repeats, args.device)
+        for name, p, topo, placed in CASES:
+            r = run_case(name, p, topo, placed, n, args.repeats, args.device)
             cpu = args.device == "cpu"
             memcpy = copy_seconds(r["bytes"], args.repeats, args.device, plain=cpu)
             parallel = copy_seconds(r["bytes"], args.repeats, args.device, plain=False)
@@ -220,7 +234,7 @@ def main() -> None:
             base = base or r["gbps"]
             r["slowdown_vs_p1_d1"] = base / r["gbps"] - 1
             results.append(r)
-            print(f"{name:12s} {n:8d} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.2f} "
+            print(f"{name:20s} {n:8d} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.2f} "
                   f"{r['memcpy_gbps']:7.2f} {r['fraction_of_memcpy']:5.2f} "
                   f"{r['parallel_copy_gbps']:8.2f} {r['slowdown_vs_p1_d1']:+6.0%} {r['control_ms_median']:8.2f} "
                   f"{r['descriptors']:6d}", flush=True)
@@ -233,6 +247,8 @@ def main() -> None:
                   "UCX moves DRAM with one thread per destination rank); GPU: a device copy",
         "parallel_copy": "torch copy_ of the same bytes with all torch threads",
         "slowdown_vs_p1_d1": "GB/s of p=d=1 at the same context / this case's GB/s - 1",
+        "placed": "source latent pages placed for the decode topology (LatentPool.decode_topology: "
+                  "each DCP rank's pages contiguous, as deployed); false = token-ordered pages",
         "control": "plan + post + notify of the slowest destination rank (plan_ms, post_ms: their "
                    "parts); post = index arrays and NIXL handles, not the data movement",
         "descriptors": "descriptors the UCX backend gets, all destination ranks (NIXL merges index "

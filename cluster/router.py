@@ -125,6 +125,7 @@ class Router:
         self.in_flight = 0
         self.resumed = self.retries = 0
         self._closed = False
+        self._wake = threading.Event()  # a request arrived: leave the idle poll interval now
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="router-poll")
         self._poller.start()
 
@@ -138,6 +139,7 @@ class Router:
         if why is not None:
             raise BackendUnavailable(why)
         self.in_flight += 1
+        self._wake.set()
         end = None if deadline_s is None else time.monotonic() + deadline_s
         rid = request.request_id
         # one seed for every attempt: a resumed request continues the same random stream
@@ -240,6 +242,7 @@ class Router:
 
     async def close(self) -> None:
         self._closed = True
+        self._wake.set()
         for p in self.prefill:
             p.close()
         for d in self.decode:
@@ -321,4 +324,5 @@ class Router:
                         d.inst.alive = False
                     except Exception:
                         log.exception("stats of %s failed", d.inst.name)
-            time.sleep(POLL_S if self.in_flight else IDLE_POLL_S)
+            self._wake.wait(POLL_S if self.in_flight else IDLE_POLL_S)
+            self._wake.clear()

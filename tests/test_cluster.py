@@ -80,7 +80,10 @@ def test_openai_client_gets_the_monolithic_tokens(topology):
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=5, temperature=0)
         assert chat.choices[0].finish_reason in ("length", "stop")
-        st = router.stats()
+        # decode stats reach the router with its next poll of the ranks
+        end = time.monotonic() + 5.0
+        while (st := router.stats())["transfer_bytes_kda_recurrent"] == 0 and time.monotonic() < end:
+            time.sleep(0.05)
         assert st["transfer_bytes_kda_recurrent"] > 0 and st["transfer_failures"] == 0
 
 

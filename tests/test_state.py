@@ -9,8 +9,9 @@ from pdserve.state.manifest import RegionSizes, StateManifest, build_manifest, m
 from pdserve.state.pools import PoolExhausted, StatePools
 
 
-def _pools(layout=StateLayout(), pages=8, slots=4, tp=1):
-    return StatePools(RankShapes.of(preset("tiny"), tp), layout, pages, slots)
+def _pools(layout=StateLayout(), pages=8, slots=4, tp=1, decode_topology=None):
+    return StatePools(RankShapes.of(preset("tiny"), tp), layout, pages, slots,
+                      decode_topology=decode_topology)
 
 
 def test_shapes_of_tiny_and_tp_sharding():
@@ -93,6 +94,36 @@ def test_dcp_token_placement():
         assert counts == [len(topo.tokens_on(r, n)) for r in range(4)] and sum(counts) == n
     with pytest.raises(ValueError, match="dcp must be 1 or tp=4"):
         Topology(tp=4, dcp=2)
+
+
+def test_latent_pages_are_placed_dcp_rank_major_for_the_decode_topology():
+    layout = StateLayout(page_tokens=16)
+    # interleave 32 = two pages per DCP run: pages 0,1 -> rank 0, 2,3 -> rank 1, 4,5 -> rank 0...
+    pools = _pools(layout, pages=32, decode_topology=Topology(2, 2, 32))
+    assert pools.latent.allocate(7) == [1, 2, 5, 6, 3, 4, 7]  # rank 0: ids 1-4, rank 1: 5-7
+    # the lowest free run that is long enough, above holes (2, 5) too short for it
+    pools.latent.free([2, 5])
+    assert pools.latent.allocate(3) == [8, 9, 10]
+    assert pools.latent.allocate(5) == [11, 12, 14, 15, 13]
+    assert pools.latent.allocate(1) == [2]
+    # with 4 dcp ranks of one page each, page i goes to rank i % 4
+    four = _pools(layout, pages=32, decode_topology=Topology(4, 4, 16))
+    assert four.latent.allocate(6) == [1, 3, 5, 6, 2, 4]  # shares: ids 1-2, 3-4, 5, 6
+
+
+def test_latent_placement_falls_back_to_plain_allocation():
+    layout = StateLayout(page_tokens=16)
+    for topo in (None, Topology(2), Topology(2, 2, 8), Topology(2, 2, 24)):
+        # no hint, no DCP, an interleave that is not a whole number of pages: lowest ids first
+        assert _pools(layout, pages=16, decode_topology=topo).latent.allocate(5) == [1, 2, 3, 4, 5]
+    pools = _pools(layout, pages=12, decode_topology=Topology(2, 2, 16))
+    held = pools.latent.allocate(11)
+    pools.latent.free([i for i in held if i % 2])  # free: 1, 3, ..., 11, no two adjacent
+    # fragmented: the lowest free ids, still DCP-rank-major (runs break only at the holes)
+    assert pools.latent.allocate(5) == [1, 7, 3, 9, 5]
+    with pytest.raises(PoolExhausted, match="asked for 2, 1 of 11 free"):
+        pools.latent.allocate(2)
+    assert pools.latent.num_free == 1 and pools.latent.allocate(1) == [11]
 
 
 def test_manifest_round_trips_and_fingerprint_tracks_layout():

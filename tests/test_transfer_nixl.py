@@ -11,6 +11,7 @@ from pdserve.state.layout import StateLayout
 from pdserve.transfer.dest import DestRank, TransferConfig
 from pdserve.transfer.errors import IntegrityError, LeaseExpired, PeerLost, TransferCancelled
 from pdserve.transfer.nixl_agent import RankAgent
+from pdserve.transfer.planner import conv_staging
 from pdserve.transfer.regions import RegionTable
 from pdserve.transfer.source import SourceRank
 
@@ -24,11 +25,12 @@ class Cluster:
     """p source ranks and d destination ranks, each with its own NIXL agent."""
 
     def __init__(self, shapes1, p, topo, src_layout, dst_layout=None, n=100, checkpoint=False,
-                 config=TransferConfig(), gen=0, tag=""):
+                 config=TransferConfig(), gen=0, tag="", source=source_side):
+        """`source`: builds the source ranks' pools and the manifest (`source_side`'s signature)."""
         dst_layout = dst_layout or src_layout
         self.state = as_dtype(make_state(shapes1, n, seed=3), src_layout)
-        self.src_pools, self.manifest = source_side(shapes1, p, src_layout, self.state, n, checkpoint)
-        staging = src_layout.conv_layout != dst_layout.conv_layout
+        self.src_pools, self.manifest = source(shapes1, p, src_layout, self.state, n, checkpoint)
+        staging = conv_staging(self.manifest, topo, dst_layout) > 0
         self.actual, self.expected, self.alloc = dest_side(shapes1, topo, dst_layout, n,
                                                            1 + checkpoint, staging)
         self.released = []

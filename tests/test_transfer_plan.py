@@ -10,7 +10,7 @@ from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout
 from pdserve.transfer.arrival import finish_arrival
 from pdserve.transfer.errors import IntegrityError, TopologyError
-from pdserve.transfer.planner import DestAllocation, plan_transfer
+from pdserve.transfer.planner import DestAllocation, conv_staging, plan_transfer
 from pdserve.transfer.regions import RegionTable, copy_reads
 
 from state_fixtures import as_dtype, dest_side, make_state, source_side, write_rank
@@ -30,7 +30,7 @@ def run_case(shapes1, p, d, c, interleave=1, src_layout=StateLayout(latent_dtype
         damage(state)
     src_pools, manifest = source_side(shapes1, p, src_layout, state, n, checkpoint)
     topo = Topology(tp=d, dcp=c, interleave=interleave)
-    staging = src_layout.conv_layout != dst_layout.conv_layout
+    staging = conv_staging(manifest, topo, dst_layout) > 0
     actual, expected, alloc = dest_side(shapes1, topo, dst_layout, n, 1 + checkpoint, staging)
     plan = plan_transfer(manifest, alloc)
     copy_reads(plan.reads, [RegionTable.of_pools(x) for x in src_pools],
@@ -71,6 +71,19 @@ def test_page_sizes_and_interleaves(src_pt, dst_pt, interleave):
     dst = StateLayout(page_tokens=dst_pt)
     run_case(TINY, 2, 4, 4, interleave=interleave, src_layout=src, dst_layout=dst, n=133)
     run_case(TINY, 2, 1, 1, src_layout=src, dst_layout=dst, n=1)
+
+
+@pytest.mark.parametrize("src_conv,dst_conv", [("SD", "SD"), ("DS", "SD"), ("SD", "DS")])
+def test_p_above_d_reads_whole_source_conv_slots_into_staging(src_conv, dst_conv):
+    plan, m = run_case(KIMI, 4, 2, 1, checkpoint=True,
+                       src_layout=StateLayout(latent_dtype="float32", conv_layout=src_conv),
+                       dst_layout=StateLayout(latent_dtype="float32", conv_layout=dst_conv))
+    conv = [r for r in plan.reads if r.kind == "kda_conv"]
+    # per destination rank, KDA layer and moved slot (running + checkpoint): one read of each
+    # of its two source ranks' whole slot (instead of one per tap or section)
+    assert len(conv) == 2 * KIMI.n_kda * 2 * 2
+    assert all(r.staged and r.length == m.sizes.conv_slot for r in conv)
+    assert {(r.dst_rank, r.src_rank) for r in conv} == {(0, 0), (0, 1), (1, 2), (1, 3)}
 
 
 def test_checkpoints_move_with_the_running_slot_and_runs_coalesce():
@@ -156,8 +169,9 @@ def test_strided_source_with_per_layer_slots_moves_the_same_bytes(p, d, c, conv)
                                      sizes.conv_slot + pads["kda_conv"]),
         kda_layer_slots=[dense.kda_slot + layer * shift for layer in range(TINY.n_kda)])
     topo = Topology(tp=d, dcp=c, interleave=8 if c > 1 else 1)
-    actual, expected, alloc = dest_side(TINY, topo, layout, n, 1, False)
-    reference, _, _ = dest_side(TINY, topo, layout, n, 1, False)
+    staging = conv_staging(dense, topo, layout) > 0
+    actual, expected, alloc = dest_side(TINY, topo, layout, n, 1, staging)
+    reference, _, _ = dest_side(TINY, topo, layout, n, 1, staging)
     plan = plan_transfer(strided, alloc)
     assert plan.units["kda_recurrent"] < plan_transfer(dense, alloc).units["kda_recurrent"]
     copy_reads(plan.reads, [strided_tables(x, pads, shift) for x in src_pools],
@@ -171,8 +185,9 @@ def test_strided_source_with_per_layer_slots_moves_the_same_bytes(p, d, c, conv)
         write_rank(expected[r], state, topo, r,
                    BlockTable([alloc.latent_pages[r]], alloc.slots[r][0], [], n), alloc.slots[r])
         for kind, t in actual[r].regions().items():
-            assert torch.equal(t, expected[r].regions()[kind]), (kind, r)
-            assert torch.equal(t, reference[r].regions()[kind]), (kind, r)
+            if kind != "kda_conv_staging":
+                assert torch.equal(t, expected[r].regions()[kind]), (kind, r)
+                assert torch.equal(t, reference[r].regions()[kind]), (kind, r)
 
 
 def test_latent_stride_must_hold_whole_rows():

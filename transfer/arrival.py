@@ -1,13 +1,13 @@
 """What a destination rank does once its reads have landed, whatever moved the bytes:
-zero latent rows past the request's tokens (reads move whole units), convert staged conv state
-into the pool's layout, and refuse a zeroed KDA state (the classic silent failure)."""
+zero latent rows past the request's tokens (reads move whole units), reorder and convert staged
+conv state into the pool's layout, and refuse a zeroed KDA state (the classic silent failure)."""
 from __future__ import annotations
 
 from pdserve.state.manifest import StateManifest
 from pdserve.state.pools import StatePools
 
 from pdserve.transfer.errors import IntegrityError
-from pdserve.transfer.planner import DestAllocation, TransferPlan
+from pdserve.transfer.planner import DestAllocation, TransferPlan, conv_staging
 
 
 def finish_arrival(pools: StatePools, manifest: StateManifest, alloc: DestAllocation,
@@ -20,9 +20,10 @@ def finish_arrival(pools: StatePools, manifest: StateManifest, alloc: DestAlloca
     pages, pt = alloc.latent_pages[rank], pools.latent.page_tokens
     for pos in range(local, end):
         pools.latent.data[:, pages[pos // pt], pos % pt] = 0
-    if manifest.layout.conv_layout != alloc.layout.conv_layout:
+    parts = conv_staging(manifest, topo, alloc.layout)
+    if parts:
         for staging, slot in zip(alloc.staging_slots[rank], alloc.slots[rank]):
-            pools.slots.unstage(staging, slot)
+            pools.slots.unstage(staging, slot, manifest.layout.conv_layout, parts)
     if manifest.num_tokens > 0 and manifest.shapes.n_kda:
         zeroed = zeroed_layers(pools.slots.recurrent[:, alloc.slots[rank][0]])
         if zeroed:

@@ -18,7 +18,7 @@ from pdserve.transfer.errors import TransferError
 from pdserve.transfer.integrity import Run, source_runs, verify
 from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.nixl_agent import RankAgent
-from pdserve.transfer.planner import DestAllocation, plan_transfer
+from pdserve.transfer.planner import DestAllocation, conv_staging, plan_transfer
 from pdserve.transfer.source import cancel_message, done_message
 
 Digests = Callable[[int, list[Run]], list[int]]  # (source rank, runs) -> xxh3 digests
@@ -43,10 +43,13 @@ class DestRank:
 
     def allocate(self, manifest: StateManifest, topology, extra_tokens: int = 0,
                  staging: bool = False) -> tuple[list[int], list[int], list[int]]:
-        """(pages, slots, staging slots) on this rank for the request plus `extra_tokens`."""
+        """(pages, slots, staging slots) on this rank for the request plus `extra_tokens`.
+        Staging slots are taken whenever the plan stages conv state (`conv_staging`), or when
+        `staging` asks for them."""
         n = topology.local_count(self.rank if topology.dcp > 1 else 0,
                                  manifest.num_tokens + extra_tokens)
         n_slots = 1 + len(manifest.checkpoints)
+        staging = staging or conv_staging(manifest, topology, self.pools.layout) > 0
         need = self.pools.latent.pages_for(max(n, 1))
         pages = self.pools.latent.allocate(need)
         try:

@@ -9,7 +9,10 @@ on DCP rank (t // interleave) % c) may differ in TP, page size and conv layout:
   intersected with each source rank's heads give byte ranges, in both directions (p < d, p > d).
 - KDA conv state is packed [q | k | v] per rank, so each section is resharded separately. When
   the layouts differ (SD vs DS), reads land in a staging slot in the source layout and the
-  destination converts on arrival.
+  destination converts on arrival. When p > d, each destination rank needs whole source slots
+  but in another channel order (one small read per tap and section: 360 reads of 4 KB per request
+  at kimi shapes, 2 -> 1); so each source slot is read whole into the staging slot and the
+  destination reorders on arrival (`conv_staging`).
 
 All offsets are bytes within one layer's region of a rank (`Read.kind`, `Read.layer`). Every read
 starts on a multiple of its kind's `unit` (the largest chunk that never straddles a page, a DCP
@@ -46,7 +49,7 @@ class Read(msgspec.Struct, frozen=True, array_like=True):
     src_offset: int      # bytes within the source rank's layer region
     dst_offset: int      # bytes within the destination rank's layer region (or conv staging)
     length: int
-    staged: bool = False  # conv read into the staging slot (layouts differ)
+    staged: bool = False  # conv read into the staging slot (see `conv_staging`)
 
 
 class DestAllocation(msgspec.Struct):
@@ -108,6 +111,18 @@ def check_topology(src: RankShapes, src_topo: Topology, dst_topo: Topology) -> N
         raise TopologyError(f"{where}: DCP c must be 1 or d={d}")
 
 
+def conv_staging(manifest: StateManifest, dst_topo: Topology, dst_layout: StateLayout) -> int:
+    """How conv state reaches a destination rank: 0 = in place; k > 0 = into a staging slot
+    holding k consecutive parts, each packed [q | k | v] in the source layout, which arrival
+    reorders and converts (`SlotPool.unstage`). k = p / d when p > d and d divides p: every source
+    rank's heads then lie within one destination rank, whose parts are whole source slots (one
+    read each); else 1 when the layouts differ (one part: the destination's channels)."""
+    p, d = manifest.topology.tp, dst_topo.tp
+    if p > d and p % d == 0:
+        return p // d
+    return int(manifest.layout.conv_layout != dst_layout.conv_layout)
+
+
 def plan_transfer(manifest: StateManifest, dst: DestAllocation,
                   ranks: list[int] | None = None) -> TransferPlan:
     """The reads that move `manifest`'s request into `dst` (all destination ranks, or `ranks`)."""
@@ -125,11 +140,12 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
         if len(dst.slots[r]) != n_slots:
             raise ValueError(f"destination rank {r}: {len(dst.slots[r])} slots allocated, the "
                              f"manifest moves {n_slots} (running + checkpoints)")
-    staged = manifest.layout.conv_layout != dst.layout.conv_layout
-    if staged and any(r >= len(dst.staging_slots) or len(dst.staging_slots[r]) != n_slots
-                      for r in ranks):
-        raise ValueError("conv layouts differ (SD vs DS): every destination rank needs one "
-                         "staging slot per moved slot")
+    parts = conv_staging(manifest, dst_topo, dst.layout)
+    if parts and any(r >= len(dst.staging_slots) or len(dst.staging_slots[r]) != n_slots
+                     for r in ranks):
+        raise ValueError(f"conv state is staged (layouts {manifest.layout.conv_layout} -> "
+                         f"{dst.layout.conv_layout}, p={p} -> d={d}): every destination rank "
+                         "needs one staging slot per moved slot")
 
     units = _units(manifest, dst, dshape)
     latent: list[np.ndarray] = []
@@ -138,12 +154,12 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
         latent.append(_latent_table(manifest, dst, r, units["mla_latent"]))
         src_slots = [manifest.kda_slot] + [s for _, s in manifest.checkpoints]
         for i, (ss, ds) in enumerate(zip(src_slots, dst.slots[r])):
-            conv_dst = dst.staging_slots[r][i] if staged else ds
+            conv_dst = dst.staging_slots[r][i] if parts else ds
             # one source slot in every layer, or (vLLM) the running slot per layer
             per_layer = manifest.kda_layer_slots or [ss] * src.n_kda
             reads += _stamp_layers(
                 per_layer, lambda s: _recurrent_reads(manifest, src, dshape, r, s, ds)
-                + _conv_reads(manifest, src, dshape, r, s, conv_dst, staged))
+                + _conv_reads(manifest, src, dshape, r, s, conv_dst, parts))
     # KDA runs coalesce across slots (running + checkpoints) of one layer
     table = np.concatenate(latent + [as_table(coalesce(reads))])
     return TransferPlan(table, units, p, d)
@@ -229,14 +245,19 @@ def _recurrent_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int,
 
 
 def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_slot: int,
-                staged: bool) -> list[Read]:
-    """Layer-0 conv reads in the SOURCE layout (into the staging slot when the destination
-    differs)."""
+                parts: int) -> list[Read]:
+    """Layer-0 conv reads in the SOURCE layout (into the staging slot when `parts`, see
+    `conv_staging`)."""
     isz, D, taps = dtype_of(m.layout.conv_dtype).itemsize, src.head_dim, src.conv_taps
     cs, cd = src.conv_channels, dst.conv_channels
     stride = m.source_strides().conv_slot
+    base = dst_slot * cd * taps * isz
+    overlaps = list(_head_overlaps(src, dst, r))
+    if parts > 1:  # whole source slots, in source-rank order
+        return [Read(s, r, "kda_conv", 0, src_slot * stride, base + j * cs * taps * isz,
+                     cs * taps * isz, True) for j, (s, _, _) in enumerate(overlaps)]
     out = []
-    for s, a, b in _head_overlaps(src, dst, r):
+    for s, a, b in overlaps:
         for sec in range(3):
             ch_s = sec * src.conv_section + (a - s * src.kda_heads) * D
             ch_d = sec * dst.conv_section + (a - r * dst.kda_heads) * D
@@ -245,9 +266,8 @@ def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_
                 spans = [(ch_s * taps, ch_d * taps, n * taps)]
             else:                             # (taps, channels): one run per tap
                 spans = [(t * cs + ch_s, t * cd + ch_d, n) for t in range(taps)]
-            out += [Read(s, r, "kda_conv", 0, src_slot * stride + so * isz,
-                         dst_slot * cd * taps * isz + do * isz, length * isz, staged)
-                    for so, do, length in spans]
+            out += [Read(s, r, "kda_conv", 0, src_slot * stride + so * isz, base + do * isz,
+                         length * isz, bool(parts)) for so, do, length in spans]
     return out
 
 

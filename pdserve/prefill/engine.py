@@ -34,17 +34,22 @@ class PrefillResult(msgspec.Struct, frozen=True):
 
 
 class PrefillRank:
-    """One TP rank of a `reference` prefill instance."""
+    """One TP rank of a `reference` prefill instance.
+
+    `decode_topology`: the decode instances' topology (a deployment setting), so each request's
+    latent pages are placed for their DCP ranks' reads (`LatentPool`); None = plain allocation."""
 
     def __init__(self, instance: str, rank: int, generation: int, config, tp: TPGroup | None = None,
                  layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
                  seed: int = 0, checkpoint: str | None = None, lease_s: float = 30.0,
-                 device: str = "cpu", dtype: str = "float32"):
+                 device: str = "cpu", dtype: str = "float32",
+                 decode_topology: Topology | None = None):
         self.instance, self.rank, self.generation, self.lease_s = instance, rank, generation, lease_s
         tp = tp or TPGroup()
         model = build_model(config, tp, dtype=dtype_of(dtype), seed=seed,
                             checkpoint=checkpoint)
         self.engine = ReferenceEngine(model.to(device), layout, num_pages, num_slots)
+        self.engine.pools.latent.decode_topology = decode_topology
         self.topology = Topology(tp=tp.size)
         self.source = SourceRank(RankAgent(instance, rank, generation,
                                            RegionTable.of_pools(self.engine.pools), device),

@@ -7,9 +7,11 @@ pool unchanged.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdserve.state import host_memory
+from pdserve.state.block_table import Topology
 from pdserve.state.layout import RankShapes, StateLayout, conv_from_sd, conv_to_sd, dtype_of
 
 
@@ -33,6 +35,23 @@ class _FreeList:
             raise PoolExhausted(f"{self.what} pool exhausted: asked for {count}, "
                                 f"{len(self._free)} of {self.capacity} free")
         ids = [self._free.pop() for _ in range(count)]
+        self._used.update(ids)
+        return ids
+
+    def take_run(self, count: int) -> list[int] | None:
+        """The lowest run of `count` consecutive free ids, or None when fragmentation leaves
+        none that long (nothing is taken then)."""
+        ascending = np.asarray(self._free[::-1], dtype=np.int64)
+        if count < 1 or count > len(ascending):
+            return None
+        # ids are sorted and distinct, so a window spanning count - 1 is a run
+        hits = np.flatnonzero(ascending[count - 1:] - ascending[:len(ascending) - count + 1]
+                              == count - 1)
+        if not len(hits):
+            return None
+        first, end = len(ascending) - int(hits[0]) - count, len(ascending) - int(hits[0])
+        ids = self._free[first:end][::-1]
+        del self._free[first:end]
         self._used.update(ids)
         return ids
 
@@ -83,16 +102,38 @@ class LatentPool(_IdPool):
 
     A page id indexes the same page in every MLA layer: a request owns a list of page ids and its
     token t (local to a DCP rank) lives in page `pages[t // page_tokens]`, row `t % page_tokens`.
+
+    `decode_topology` (prefill side; None = plain lowest-ids-first allocation): the DCP layout
+    of the decode instances that will read this pool's requests. Each decode DCP rank reads every
+    c-th interleave run of a request's pages, so with token-ordered ids each of its reads is one
+    interleave long (one page at interleave = page_tokens: one UCX operation per page). Instead a
+    request's pages are laid out DCP-rank-major over ascending ids (page i -> the k-th id of its
+    rank's share, shares in rank order), from the lowest free run of that many ids when there
+    is one, else from the lowest free ids (runs then break only at the holes): every decode rank
+    then reads one contiguous source range. Only when the interleave is a whole number of pages.
     """
 
     def __init__(self, shapes: RankShapes, layout: StateLayout, num_pages: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", decode_topology: Topology | None = None):
         self.page_tokens = layout.page_tokens
         self.width = shapes.latent_width
         self.data = host_memory.zeros((shapes.n_mla, num_pages, layout.page_tokens,
                                        shapes.latent_width), dtype_of(layout.latent_dtype), device)
         self.scale = 1.0  # per-tensor dequant scale, used when the dtype is fp8
         self._ids = _FreeList(num_pages, "latent page")
+        self.decode_topology = decode_topology
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` page ids in token order (DCP-rank-major under `decode_topology`)."""
+        topo = self.decode_topology
+        if topo is None or topo.dcp == 1 or topo.interleave % self.page_tokens:
+            return super().allocate(count)
+        ids = self._ids.take_run(count) or self._ids.take(count)
+        # the decode DCP rank of each of the request's pages (a page lies in one interleave run)
+        ranks = np.arange(count) * self.page_tokens // topo.interleave % topo.dcp
+        placed = np.empty(count, dtype=np.int64)
+        placed[np.argsort(ranks, kind="stable")] = ids
+        return placed.tolist()
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_tokens)
@@ -131,10 +172,12 @@ class SlotPool(_IdPool):
                             shapes.conv_channels)
         self.recurrent = host_memory.zeros((n, num_slots, h, d, d),
                                            dtype_of(layout.recurrent_dtype), device)
+        self.conv_taps, self.conv_channels = taps, c
         conv_shape = (n, num_slots, taps, c) if self.layout == "SD" else (n, num_slots, c, taps)
         self.conv = host_memory.zeros(conv_shape, dtype_of(layout.conv_dtype), device)
-        # Conv state in the other layout, for transfers from an engine that uses it: reads land
-        # here (in a slot taken from the same free list) and `unstage` converts into `conv`.
+        # Conv state as a transfer's source laid it out (the other layout, or whole slots of
+        # several source ranks): reads land here (in a slot taken from the same free list) and
+        # `unstage` reorders and converts it into `conv`.
         self.conv_staging = (host_memory.zeros(conv_shape[:2] + conv_shape[:1:-1], self.conv.dtype,
                                                device) if conv_staging else None)
         self._ids = _FreeList(num_slots, "KDA slot")
@@ -154,11 +197,20 @@ class SlotPool(_IdPool):
         self.recurrent[:, dst] = self.recurrent[:, src]
         self.conv[:, dst] = self.conv[:, src]
 
-    def unstage(self, staging_slot: int, slot: int) -> None:
-        """Convert the other-layout conv state in `staging_slot` into `slot` (every layer)."""
+    def unstage(self, staging_slot: int, slot: int, src_layout: str, parts: int = 1) -> None:
+        """Move the conv state in `staging_slot` into `slot` (every layer). The staging slot
+        holds `parts` consecutive parts in `src_layout`, each packed [q | k | v] with 1/parts of
+        each section's channels; part j's channels come j-th within each section of `slot`."""
         if self.conv_staging is None:
             raise RuntimeError("this SlotPool was built without conv_staging")
-        self.conv[:, slot] = self.conv_staging[:, staging_slot].transpose(-1, -2)
+        n, taps = self.conv.shape[0], self.conv_taps
+        per_part = self.conv_channels // parts
+        shape = (taps, per_part) if src_layout == "SD" else (per_part, taps)
+        staged = conv_to_sd(self.conv_staging[:, staging_slot].reshape(n, parts, *shape), src_layout)
+        # one strided copy (views on both sides): [n, parts, taps, 3, section / parts] into the
+        # slot seen as [n, taps, 3, parts, section / parts]
+        conv_to_sd(self.conv[:, slot], self.layout).unflatten(-1, (3, parts, -1)).copy_(
+            staged.unflatten(-1, (3, -1)).permute(0, 2, 3, 1, 4))
 
     # access (layer = index among KDA layers)
     def read(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,10 +227,11 @@ class StatePools:
     """All cached state of one rank: the latent pool and the slot pool."""
 
     def __init__(self, shapes: RankShapes, layout: StateLayout, num_pages: int, num_slots: int,
-                 device: torch.device | str = "cpu", conv_staging: bool = False):
+                 device: torch.device | str = "cpu", conv_staging: bool = False,
+                 decode_topology: Topology | None = None):
         self.shapes = shapes
         self.layout = layout
-        self.latent = LatentPool(shapes, layout, num_pages, device)
+        self.latent = LatentPool(shapes, layout, num_pages, device, decode_topology)
         self.slots = SlotPool(shapes, layout, num_slots, device, conv_staging)
 
     def regions(self) -> dict[str, torch.Tensor]:
