@@ -4,6 +4,9 @@ For 8K and 128K-token requests and the topologies p=d=1, 2->1, 1->2 and d=2 with
 64: one page per DCP rank in turn), moves one request's full state (7 MLA layers of latent, 20 KDA
 layers of recurrent + conv) and reports GB/s against a memcpy of the same bytes in the same run,
 and the control overhead per request (plan + post + notify, the slowest destination rank's).
+Each resharding case is measured with the p = d case alive beside it, the two taking turns in ABBA
+order, and its slowdown is against that interleaved baseline (the VM's load drifts by tens of
+percent within minutes).
 
 As deployed, the source pool places each request's latent pages for the decode topology
 (`LatentPool.decode_topology`: each DCP rank's pages contiguous), and every rank is its own process
@@ -124,65 +127,94 @@ def _reply(conn):
     return conn.recv()
 
 
-def run_case(name: str, p: int, topo: Topology, placed: bool, n: int, repeats: int,
-             device: str) -> dict:
-    ctx = mp.get_context("spawn")
-    pages = -(-n // StateLayout().page_tokens) + 2
-    procs, src_conns, dst_conns = [], [], []
-    for s in range(p):
-        a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=source_main, args=(b, f"p-{name}", s, p, n, pages, device,
-                                                           topo if placed else None)))
-        src_conns.append(a)
-    for r in range(topo.tp):
-        a, b = ctx.Pipe()
-        procs.append(ctx.Process(target=dest_main, args=(b, f"d-{name}", r, topo, pages, device)))
-        dst_conns.append(a)
-    for x in procs:
-        x.start()
-    rows = []
-    try:
-        src_infos = [_reply(c) for c in src_conns]
-        manifest = src_infos[0][1]
-        dst_infos = [_reply(c) for c in dst_conns]
-        for c in dst_conns:
-            for info, _ in src_infos:
-                _ask(c, "connect", info)
-        for c in src_conns:
-            for info in dst_infos:
-                _ask(c, "connect", info)
-        for i in range(repeats + 1):  # the first run prepares descriptor lists and connections
-            for c in src_conns:
-                _ask(c, "hold")
-            parts = [_ask(c, "allocate", manifest) for c in dst_conns]
-            alloc = DestAllocation(topo, StateLayout(), *map(list, zip(*parts)))
-            t0 = time.perf_counter()
-            for c in dst_conns:
-                c.send(("receive", manifest, alloc, f"p-{name}"))
-            stats = [_reply(c) for c in dst_conns]
-            wall = time.perf_counter() - t0
-            if i:
-                rows.append((wall, sum(x["bytes"] for x in stats),
-                             max(x["control_s"] for x in stats),
-                             sum(x["descriptors"] for x in stats), sum(x["runs"] for x in stats),
-                             max(x["plan_s"] for x in stats), max(x["prep_s"] for x in stats)))
-    finally:
-        for c in src_conns + dst_conns:
+class CaseRun:
+    """One topology case's rank processes (one per source and destination rank, each with its own
+    NIXL agent), connected and warmed up (the first transfer prepares descriptor lists and
+    connections); `once()` moves the request's state one more time."""
+
+    def __init__(self, name: str, p: int, topo: Topology, placed: bool, n: int, device: str):
+        self.name, self.p, self.topo, self.placed, self.n = name, p, topo, placed, n
+        ctx = mp.get_context("spawn")
+        pages = -(-n // StateLayout().page_tokens) + 2
+        self.procs, self.src_conns, self.dst_conns = [], [], []
+        for s in range(p):
+            a, b = ctx.Pipe()
+            self.procs.append(ctx.Process(target=source_main, args=(
+                b, f"p-{name}", s, p, n, pages, device, topo if placed else None)))
+            self.src_conns.append(a)
+        for r in range(topo.tp):
+            a, b = ctx.Pipe()
+            self.procs.append(ctx.Process(target=dest_main,
+                                          args=(b, f"d-{name}", r, topo, pages, device)))
+            self.dst_conns.append(a)
+
+    def __enter__(self):
+        for x in self.procs:
+            x.start()
+        try:
+            src_infos = [_reply(c) for c in self.src_conns]
+            self.manifest = src_infos[0][1]
+            dst_infos = [_reply(c) for c in self.dst_conns]
+            for c in self.dst_conns:
+                for info, _ in src_infos:
+                    _ask(c, "connect", info)
+            for c in self.src_conns:
+                for info in dst_infos:
+                    _ask(c, "connect", info)
+            self.once()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def once(self) -> tuple:
+        """(wall s, bytes, control s, descriptors, runs, plan s, post s, control CPU s) of one
+        transfer."""
+        for c in self.src_conns:
+            _ask(c, "hold")
+        parts = [_ask(c, "allocate", self.manifest) for c in self.dst_conns]
+        alloc = DestAllocation(self.topo, StateLayout(), *map(list, zip(*parts)))
+        t0 = time.perf_counter()
+        for c in self.dst_conns:
+            c.send(("receive", self.manifest, alloc, f"p-{self.name}"))
+        stats = [_reply(c) for c in self.dst_conns]
+        wall = time.perf_counter() - t0
+        return (wall, sum(x["bytes"] for x in stats), max(x["control_s"] for x in stats),
+                sum(x["descriptors"] for x in stats), sum(x["runs"] for x in stats),
+                max(x["plan_s"] for x in stats), max(x["prep_s"] for x in stats),
+                max(x["control_cpu_s"] for x in stats))
+
+    def __exit__(self, *exc):
+        for c in self.src_conns + self.dst_conns:
             try:
                 _ask(c, "stop")
             except (OSError, EOFError, TimeoutError):
                 pass
-        for x in procs:
+        for x in self.procs:
             x.join(10)
             if x.is_alive():
                 x.kill()
-    return {"case": name, "context": n, "p": p, "d": topo.tp, "dcp": topo.dcp,
-            "interleave": topo.interleave, "placed": placed,
-            "bytes": rows[0][1], "seconds_median": statistics.median(r[0] for r in rows),
-            "control_ms_median": statistics.median(r[2] for r in rows) * 1e3,
-            "plan_ms_median": statistics.median(r[5] for r in rows) * 1e3,
-            "post_ms_median": statistics.median(r[6] for r in rows) * 1e3,
-            "descriptors": rows[0][3], "runs": rows[0][4]}
+
+    def summary(self, rows: list[tuple]) -> dict:
+        med = lambda i: statistics.median(r[i] for r in rows)
+        return {"case": self.name, "context": self.n, "p": self.p, "d": self.topo.tp,
+                "dcp": self.topo.dcp, "interleave": self.topo.interleave, "placed": self.placed,
+                "bytes": rows[0][1], "seconds_median": med(0),
+                "control_ms_median": med(2) * 1e3, "plan_ms_median": med(5) * 1e3,
+                "post_ms_median": med(6) * 1e3, "control_cpu_ms_median": med(7) * 1e3,
+                "descriptors": rows[0][3], "runs": rows[0][4]}
+
+
+def run_paired(case, base, n: int, repeats: int, device: str) -> tuple[dict, dict]:
+    """`case` and the p = d baseline `base` alive at once, their transfers alternating in ABBA
+    order: a shared machine's load drifts within minutes, and whichever case ran second would
+    be charged that drift. Returns (case summary, baseline summary of the same run)."""
+    with CaseRun(*case, n, device) as x, CaseRun(*base, n, device) as y:
+        rows = {x: [], y: []}
+        for i in range(repeats):
+            for run in ((x, y) if i % 4 in (0, 3) else (y, x)):
+                rows[run].append(run.once())
+        return x.summary(rows[x]), y.summary(rows[y])
 
 
 def copy_seconds(nbytes: int, repeats: int, device: str, plain: bool) -> float:
@@ -219,11 +251,16 @@ def main() -> None:
     args = ap.parse_args()
     results = []
     print(f"{'case':20s} {'context':>8s} {'MB':>8s} {'GB/s':>7s} {'memcpy':>7s} {'frac':>5s} "
-          f"{'par.copy':>8s} {'vs p=d':>6s} {'ctrl ms':>8s} {'descs':>6s}", flush=True)
+          f"{'par.copy':>8s} {'vs p=d':>6s} {'ctrl ms':>8s} {'cpu ms':>7s} {'descs':>6s}", flush=True)
     for n in args.contexts:
-        base = None
-        for name, p, topo, placed in CASES:
-            r = run_case(name, p, topo, placed, n, args.repeats, args.device)
+        for case in CASES:
+            if case is CASES[0]:
+                with CaseRun(*case, n, args.device) as run:
+                    r = run.summary([run.once() for _ in range(args.repeats)])
+                base_gbps = None
+            else:
+                r, base = run_paired(case, CASES[0], n, args.repeats, args.device)
+                base_gbps = base["bytes"] / base["seconds_median"] / 1e9
             cpu = args.device == "cpu"
             memcpy = copy_seconds(r["bytes"], args.repeats, args.device, plain=cpu)
             parallel = copy_seconds(r["bytes"], args.repeats, args.device, plain=False)
@@ -231,13 +268,13 @@ def main() -> None:
                      memcpy_gbps=r["bytes"] / memcpy / 1e9,
                      fraction_of_memcpy=memcpy / r["seconds_median"],
                      parallel_copy_gbps=r["bytes"] / parallel / 1e9)
-            base = base or r["gbps"]
-            r["slowdown_vs_p1_d1"] = base / r["gbps"] - 1
+            r["p1_d1_gbps_paired"] = base_gbps or r["gbps"]
+            r["slowdown_vs_p1_d1"] = r["p1_d1_gbps_paired"] / r["gbps"] - 1
             results.append(r)
-            print(f"{name:20s} {n:8d} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.2f} "
+            print(f"{case[0]:20s} {n:8d} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.2f} "
                   f"{r['memcpy_gbps']:7.2f} {r['fraction_of_memcpy']:5.2f} "
                   f"{r['parallel_copy_gbps']:8.2f} {r['slowdown_vs_p1_d1']:+6.0%} {r['control_ms_median']:8.2f} "
-                  f"{r['descriptors']:6d}", flush=True)
+                  f"{r['control_cpu_ms_median']:7.2f} {r['descriptors']:6d}", flush=True)
     where = "DRAM" if args.device == "cpu" else "VRAM"
     name = "transfer_cpu" if args.device == "cpu" else "transfer_h200"
     path = write_result(name, {
@@ -246,11 +283,16 @@ def main() -> None:
         "memcpy": "CPU: libc memcpy of the same bytes on one thread (the fraction's denominator; "
                   "UCX moves DRAM with one thread per destination rank); GPU: a device copy",
         "parallel_copy": "torch copy_ of the same bytes with all torch threads",
-        "slowdown_vs_p1_d1": "GB/s of p=d=1 at the same context / this case's GB/s - 1",
+        "slowdown_vs_p1_d1": "p1_d1_gbps_paired / this case's GB/s - 1, where p1_d1_gbps_paired is "
+                             "p=d=1 at the same context measured in the same run, its transfers "
+                             "alternating with this case's in ABBA order (both cases' processes up)",
         "placed": "source latent pages placed for the decode topology (LatentPool.decode_topology: "
                   "each DCP rank's pages contiguous, as deployed); false = token-ordered pages",
         "control": "plan + post + notify of the slowest destination rank (plan_ms, post_ms: their "
                    "parts); post = index arrays and NIXL handles, not the data movement",
+        "control_cpu": "the same steps in the destination rank thread's CPU time (time.thread_time), "
+                       "the slowest rank's: wall control minus the turns other processes took "
+                       "meanwhile (2 cores: the other destination rank copies at the same time)",
         "descriptors": "descriptors the UCX backend gets, all destination ranks (NIXL merges index "
                        "runs contiguous on both sides); on DRAM each is one process_vm_readv",
         "rows": results}, args.out)

@@ -213,23 +213,26 @@ class RankAgent:
 
     # -- reads ------------------------------------------------------------------------------
     def post_reads(self, src_instance: str, table: np.ndarray, units: dict[str, int]
-                   ) -> tuple[list[tuple[str, object, int]], float, int]:
+                   ) -> tuple[list[tuple[str, object, int]], tuple[float, float], int]:
         """Post one READ per (source rank, kind, staged) group of a plan's `table` (planner
         COLUMNS): over the prepared lists, or over per-request lists where prepared ones would
         be too large. Every read moves whole units. Returns the posted (kind, handle, bytes),
-        the seconds spent preparing them (index arrays and handles: the control cost; UCX may
-        move data inside the post itself) and the number of descriptors the backend gets
+        the seconds spent preparing them as (wall, this thread's CPU) (index arrays and handles:
+        the control cost; UCX may move data inside the post itself, which neither includes; on a
+        busy host the wall time also holds other processes' turns) and the number of descriptors
+        the backend gets
         (after NIXL merges runs contiguous on both sides)."""
-        prep, descriptors = 0.0, 0
-        t0 = time.perf_counter()
+        prep, prep_cpu, descriptors = 0.0, 0.0, 0
+        t0, c0 = time.perf_counter(), time.thread_time()
         # group key; bincount finds the few present groups in O(reads), unlike a sort
         key = (table[:, SRC] * len(KINDS) + table[:, KIND]) * 2 + table[:, STAGED]
         groups = np.flatnonzero(np.bincount(key)) if len(key) else []
         prep += time.perf_counter() - t0
+        prep_cpu += time.thread_time() - c0
         posted = []
         try:
             for g in groups:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 src_rank, k, staged = int(g) // 2 // len(KINDS), int(g) // 2 % len(KINDS), g % 2
                 rows = table[key == g]
                 peer = self.peers.get((src_instance, src_rank))
@@ -248,12 +251,13 @@ class RankAgent:
                 descriptors += 1 + int(np.count_nonzero((local[1:] != local[:-1] + nbytes[:-1])
                                                         | (remote[1:] != remote[:-1] + nbytes[:-1])))
                 prep += time.perf_counter() - t0
+                prep_cpu += time.thread_time() - c0
                 if self.agent.transfer(handle) == "ERR":
                     raise PeerLost(f"{self.name}: posting a read from {peer.info.name} failed")
         except Exception as exc:
             self.release(posted)
             raise _as_peer_lost(exc, self.name) from exc
-        return posted, prep, descriptors
+        return posted, (prep, prep_cpu), descriptors
 
     def wait(self, posted: list[tuple[str, object, int]], deadline: float,
              cancel=None) -> dict[str, float]:
