@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 from dataclasses import dataclass, field
 
 import ray
@@ -70,13 +71,22 @@ class RayRanks:
     def __init__(self, name: str, actors: list, timeout_s: float):
         self.name, self.actors, self.timeout_s = name, actors, timeout_s
         self.size = len(actors)
+        # Ray runs one submitter's calls to an actor in submission order. Submitting a call to
+        # every rank under one lock keeps that order the same on all ranks when threads (a
+        # prefill queue, the router's poller) call at once: a `poll` freeing state on rank 0
+        # before a `prefill` but on rank 1 after it would give the ranks different slot ids for
+        # one request, and the manifest carries rank 0's (seen as wrong tokens from TP2 prefill).
+        self._submit = threading.Lock()
 
     def call(self, method: str, *args) -> list:
-        return self._get([a.call.remote(method, *args) for a in self.actors], method)
+        with self._submit:
+            refs = [a.call.remote(method, *args) for a in self.actors]
+        return self._get(refs, method)
 
     def call_each(self, method: str, args: list[tuple]) -> list:
-        return self._get([a.call.remote(method, *x) for a, x in zip(self.actors, args, strict=True)],
-                         method)
+        with self._submit:
+            refs = [a.call.remote(method, *x) for a, x in zip(self.actors, args, strict=True)]
+        return self._get(refs, method)
 
     def _get(self, refs, method: str) -> list:
         try:

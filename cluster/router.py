@@ -31,6 +31,7 @@ from pdserve.api.backend import BackendUnavailable
 from pdserve.decode.batcher import Batcher, Overloaded, TokenEvent
 from pdserve.decode.instance import RankEngine
 from pdserve.model.sampling import Request
+from pdserve.prefill.engine import PrefillResult
 
 from pdserve.cluster.actors import Instance, InstanceLost
 
@@ -88,8 +89,8 @@ class PrefillQueue:
             reqs = [r for r, _ in batch]
             try:
                 threads = self.idle_threads if self.idle_threads and self.decode_idle() else None
-                results = self.inst.ranks.call("prefill", reqs, self.inst.agents, threads)[0]
-                for (_, fut), res in zip(batch, results):
+                per_rank = self.inst.ranks.call("prefill", reqs, self.inst.agents, threads)
+                for (_, fut), res in zip(batch, _agreed(self.inst.name, per_rank)):
                     fut.set_result(res)
             except Exception as exc:
                 if isinstance(exc, InstanceLost):
@@ -98,6 +99,27 @@ class PrefillQueue:
                     fut.set_exception(exc)
             finally:
                 self.pending_tokens -= sum(len(r.prompt) for r in reqs)
+
+
+def _state_ids(res):
+    m = None if res.handle is None else res.handle.manifest
+    return None if m is None else (m.latent_pages, m.kda_slot, m.checkpoints)
+
+
+def _agreed(instance: str, per_rank: list) -> list:
+    """Rank 0's results, where every TP rank holds the request's state under the same page and
+    slot ids (the manifest carries rank 0's for all); a request whose ranks disagree gets an
+    error result instead of a handle that would read another request's state."""
+    out = []
+    for i, res in enumerate(per_rank[0]):
+        ids = _state_ids(res)
+        bad = [r for r, other in enumerate(per_rank[1:], 1) if _state_ids(other[i]) != ids]
+        if bad:
+            res = PrefillResult(res.request_id, error=(
+                f"prefill instance {instance}: TP ranks {bad} hold request {res.request_id}'s "
+                "state under other page/slot ids than rank 0 (ranks out of step)"))
+        out.append(res)
+    return out
 
 
 class DecodeSlot:
