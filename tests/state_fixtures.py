@@ -64,14 +64,20 @@ def as_dtype(state: GlobalState, layout: StateLayout) -> GlobalState:
                        r(state.conv, layout.conv_dtype))
 
 
-def source_side(shapes1, src_tp, layout, state, n, checkpoint):
-    """p source ranks holding the request; returns (pools, manifest)."""
+def scattered_pages(latent, count: int) -> list[int]:
+    """Page ids that are neither 1, 2, ... nor ascending (a source's pages are arbitrary)."""
+    latent.allocate(2)
+    return latent.allocate(count)[::-1]
+
+
+def source_side(shapes1, src_tp, layout, state, n, checkpoint, pages_of=scattered_pages):
+    """p source ranks holding the request; returns (pools, manifest). `pages_of(latent pool,
+    count)` allocates each rank's pages for the request."""
     topo, pools = Topology(tp=src_tp), []
     pages_needed = -(-n // layout.page_tokens)
     for s in range(src_tp):
         p = make_pools(shapes1.at_tp(src_tp), layout, fill=7.0)
-        p.latent.allocate(2)  # so source ids are not 1, 2, ...
-        pages = p.latent.allocate(pages_needed)[::-1]
+        pages = pages_of(p.latent, pages_needed)
         slots = p.slots.allocate(2 if checkpoint else 1)
         table = BlockTable([pages], slots[0], [(layout.page_tokens, slots[1])] if checkpoint else [], n)
         write_rank(p, state, topo, s, table, slots)

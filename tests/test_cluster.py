@@ -119,19 +119,25 @@ def _kill_running(router, timeout=30.0):
     raise AssertionError(f"no decode instance started the request within {timeout} s")
 
 
+def assert_kill_resumes(url, router, prompt, max_tokens, want):
+    """Kill the instance streaming `prompt`: the stream resumes on another instance and its
+    tokens equal the no-fault run's `want`."""
+    out, started = {}, threading.Event()
+    t = _stream_in_thread(url, prompt, max_tokens, out, started)
+    assert started.wait(30)
+    busy = _kill_running(router)
+    t.join(60)
+    assert not t.is_alive() and "error" not in out, out.get("error")
+    assert out["ids"] == want, "resumed stream differs from the no-fault run"
+    assert router.resumed >= 1 and not busy.inst.alive
+
+
 def test_failover_decode_death_prefill_death_and_no_decode_left():
     cfg, model = config(prefill_instances=2, decode_instances=2)
     want = monolithic(PROMPTS[:1], 150)[0]
     with running_server(cfg, model, progress=lambda m: None) as (url, router):
         # 1. kill the decode instance streaming the request: it resumes on the other one
-        out, started = {}, threading.Event()
-        t = _stream_in_thread(url, PROMPTS[0], 150, out, started)
-        assert started.wait(30)
-        busy = _kill_running(router)
-        t.join(60)
-        assert not t.is_alive() and "error" not in out, out.get("error")
-        assert out["ids"] == want, "resumed stream differs from the no-fault run"
-        assert router.resumed >= 1 and not busy.inst.alive
+        assert_kill_resumes(url, router, PROMPTS[0], 150, want)
 
         # 2. kill a prefill instance: requests are prefilled on the other
         victim = router.prefill[0].inst

@@ -2,7 +2,6 @@
 themselves, served through the same router and HTTP API as the disaggregated cluster. The openai
 client gets exactly the reference generate loop's tokens (greedy and seeded), at TP 1 and TP 2; a
 rank killed mid-stream resumes on the other instance with the no-fault tokens; pools end empty."""
-import threading
 import time
 
 import httpx
@@ -15,8 +14,7 @@ from pdserve.cluster.serve import running_server
 from pdserve.decode.instance import MonolithicInstance
 from pdserve.model.sampling import SamplingParams
 
-from test_cluster import (PROMPTS, _kill_running, _stream_in_thread, completion_ids, free_port,
-                          monolithic)
+from test_cluster import PROMPTS, assert_kill_resumes, completion_ids, free_port, monolithic
 
 openai = pytest.importorskip("openai")
 
@@ -79,14 +77,7 @@ def test_two_tp1_instances_give_the_reference_tokens_and_survive_a_death():
         assert_pools_empty(router)
 
         # kill the instance streaming a request: it resumes on the other, same tokens
-        out, started = {}, threading.Event()
-        t = _stream_in_thread(url, PROMPTS[0], 150, out, started)
-        assert started.wait(30)
-        busy = _kill_running(router)
-        t.join(60)
-        assert not t.is_alive() and "error" not in out, out.get("error")
-        assert out["ids"] == want_long, "resumed stream differs from the no-fault run"
-        assert router.resumed >= 1 and not busy.inst.alive
+        assert_kill_resumes(url, router, PROMPTS[0], 150, want_long)
         assert_pools_empty(router)
 
         # the last instance dies: /health names the monolithic pool

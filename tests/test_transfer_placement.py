@@ -2,19 +2,20 @@
 DCP rank's source pages form one contiguous run, real NIXL reads land exactly the bytes they land
 without the placement, a fragmented pool falls back to its lowest free ids, and the reference
 prefill engine computes the same state in placed pages."""
+import functools
+
 import pytest
 import torch
 
 from pdserve.model.config import preset
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillRank
-from pdserve.state.block_table import BlockTable, Topology
+from pdserve.state.block_table import Topology
 from pdserve.state.layout import StateLayout
-from pdserve.state.manifest import StateManifest
 from pdserve.transfer.dest import TransferConfig
 from pdserve.transfer.planner import DST, KIND, KINDS, LAYER, plan_transfer
 
-from state_fixtures import make_pools, write_rank
+from state_fixtures import source_side
 from test_transfer_nixl import Cluster
 from test_transfer_plan import KIMI, TINY
 
@@ -24,25 +25,13 @@ pytest.importorskip("xxhash")
 def placed_source(hint: Topology | None, fragment: bool = False):
     """`source_side` with source pools that place pages for `hint`. `fragment`: every
     odd page id is the only free one, so no run of two pages is free."""
-    def build(shapes1, src_tp, layout, state, n, checkpoint):
-        topo, pools = Topology(tp=src_tp), []
-        for s in range(src_tp):
-            p = make_pools(shapes1.at_tp(src_tp), layout, fill=7.0)
-            p.latent.decode_topology = hint
-            held = p.latent.allocate(p.latent.capacity if fragment else 2)
-            if fragment:
-                p.latent.free([i for i in held if i % 2])
-            pages = p.latent.allocate(p.latent.pages_for(n))
-            slots = p.slots.allocate(2 if checkpoint else 1)
-            table = BlockTable([pages], slots[0],
-                               [(layout.page_tokens, slots[1])] if checkpoint else [], n)
-            write_rank(p, state, topo, s, table, slots)
-            pools.append(p)
-        m = StateManifest(request_id="req-7", fingerprint="test", num_tokens=n, topology=topo,
-                          layout=layout, shapes=shapes1.at_tp(src_tp), latent_pages=table.latent_pages,
-                          kda_slot=table.kda_slot, checkpoints=table.checkpoints)
-        return pools, m
-    return build
+    def pages_of(latent, count):
+        latent.decode_topology = hint
+        held = latent.allocate(latent.capacity if fragment else 2)
+        if fragment:
+            latent.free([i for i in held if i % 2])
+        return latent.allocate(count)
+    return functools.partial(source_side, pages_of=pages_of)
 
 
 def rank_pages(pages: list[int], topo: Topology, page_tokens: int) -> list[list[int]]:
