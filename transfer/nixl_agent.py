@@ -311,14 +311,19 @@ class RankAgent:
 
 
 def _merge(addresses: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
-    """Registration intervals: per-layer regions of one tensor are adjacent, so merge them."""
-    spans = sorted(s for layers in addresses.values() for s in layers)
+    """Registration intervals: the per-layer regions of one kind's tensor are adjacent, so merge
+    them; never across kinds, since two tensors can be adjacent in virtual memory yet separate
+    allocations, and CUDA IPC maps only the allocation holding a registration's first byte (a
+    read past it failed on the H200 with cuMemcpyDtoDAsync "invalid argument")."""
     out: list[list[int]] = []
-    for a, n in spans:
-        if out and out[-1][0] + out[-1][1] == a:
-            out[-1][1] += n
-        else:
-            out.append([a, n])
+    for layers in addresses.values():
+        merged: list[list[int]] = []
+        for a, n in sorted(layers):
+            if merged and merged[-1][0] + merged[-1][1] == a:
+                merged[-1][1] += n
+            else:
+                merged.append([a, n])
+        out += merged
     return [(a, n) for a, n in out]
 
 
