@@ -1,20 +1,29 @@
 """Ray actors: one per prefill, decode or monolithic rank, grouped into instances by placement
-groups.
+groups; or one per whole-instance engine (stock vLLM prefill).
 
 A rank actor hosts a `PrefillRank`, `DecodeRank` or `MonolithicRank`; TP ranks of an instance
 join one torch.distributed group (gloo on CPU, NCCL on GPU) and are packed together (STRICT_PACK).
 `RayRanks` drives an instance's actors in lockstep with a deadline on every call.
+
+An engine actor hosts ONE object that is a whole prefill instance (`VllmPrefill`: vLLM spawns
+and drives its own TP workers), in a placement group of one bundle with all of the instance's
+GPUs. The router sees it as an instance of one rank (`RayRanks` over one actor, or `EngineRanks`
+in-process) whose `info` lists every worker's NIXL agent: the calls it makes (`prefill`, `poll`,
+`cancel`, `renew`, `stats`, `connect`) have the same signatures as a `PrefillRank`'s.
+
+Ray is imported where it is used, so the router and `EngineRanks` run in a process without Ray
+(tests/gpu/test_vllm_serve.py on the H200).
 """
 from __future__ import annotations
 
 import datetime
+import functools
+import importlib
+import os
 import socket
 import threading
 from dataclasses import dataclass, field
-
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from typing import Callable
 
 from pdserve.transfer.errors import PeerLost
 
@@ -23,8 +32,23 @@ class InstanceLost(PeerLost):
     """A rank actor of an instance died or stopped answering."""
 
 
-@ray.remote
-class RankActor:
+@functools.cache
+def _remote(cls):
+    """`ray.remote(cls)`, made once on first use (Ray is imported only here)."""
+    import ray
+
+    return ray.remote(cls)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class RankHost:
+    """Body of a rank actor (`RankActor()` is its Ray actor class)."""
+
     def __init__(self, role: str, instance: str, rank: int, world: int):
         self.role, self.instance, self.rank, self.world = role, instance, rank, world
         self.obj = None
@@ -33,7 +57,7 @@ class RankActor:
         """A free TCP port on this node, for the TP group's rendezvous (rank 0)."""
         with socket.socket() as s:
             s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+            return _node_ip(), s.getsockname()[1]
 
     def setup(self, master: tuple[str, int], kwargs: dict, threads: int = 1) -> dict:
         import torch
@@ -58,10 +82,64 @@ class RankActor:
         else:
             from pdserve.decode.rank import MonolithicRank
             self.obj = MonolithicRank(self.instance, self.rank, tp=tp, **kwargs)
-        return {"pid": __import__("os").getpid(), "node": ray.util.get_node_ip_address()}
+        return {"pid": os.getpid(), "node": _node_ip()}
 
     def call(self, method: str, *args):
         return getattr(self.obj, method)(*args)
+
+
+def RankActor():
+    return _remote(RankHost)
+
+
+def engine_factory(path: str) -> Callable:
+    """The callable named by a "module:attr" path (it builds a whole-instance engine)."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class EngineHost:
+    """Body of an engine actor: one whole prefill instance built by `factory(instance,
+    generation, *args)` (a "module:attr" path, imported in the actor: vLLM is imported only
+    here; or a picklable callable), with `env` set in the actor's process before it is built
+    (vLLM reads its settings from the environment and its workers inherit it)."""
+
+    def __init__(self, factory: str | Callable, instance: str, generation: int, args: tuple,
+                 env: dict[str, str]):
+        os.environ.update(env)
+        build = engine_factory(factory) if isinstance(factory, str) else factory
+        self.obj = build(instance, generation, *args)
+
+    def ping(self) -> dict:
+        return {"pid": os.getpid(), "node": _node_ip()}
+
+    def call(self, method: str, *args):
+        return getattr(self.obj, method)(*args)
+
+
+def EngineActor():
+    return _remote(EngineHost)
+
+
+class EngineRanks:
+    """`RankGroup` of size 1 over a whole-instance engine in this process (no Ray): every call
+    runs under one lock, as an actor runs them one at a time (a `vllm.LLM` is not thread-safe,
+    and the router calls it from its prefill queue and its poller)."""
+
+    size = 1
+
+    def __init__(self, name: str, engine):
+        self.name, self.engine = name, engine
+        self.actors: list = []
+        self._lock = threading.Lock()
+
+    def call(self, method: str, *args) -> list:
+        with self._lock:
+            return [getattr(self.engine, method)(*args)]
+
+    def call_each(self, method: str, args: list[tuple]) -> list:
+        (one,) = args
+        return self.call(method, *one)
 
 
 class RayRanks:
@@ -89,6 +167,8 @@ class RayRanks:
         return self._get(refs, method)
 
     def _get(self, refs, method: str) -> list:
+        import ray
+
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
@@ -105,16 +185,44 @@ class RayRanks:
 
 @dataclass
 class Instance:
+    """`ranks`: `RayRanks` (one actor per rank, or one engine actor), or in-process ranks.
+    `engine`: one object speaks for every rank (`agents` has one entry per rank of the engine)."""
     role: str
     name: str
     generation: int
-    ranks: RayRanks
+    ranks: object
     pg: object
     agents: list = field(default_factory=list)
     alive: bool = True
+    engine: bool = False
+
+    def digests(self, src_rank: int, request_id: str, runs) -> list[int]:
+        """xxh3 digests of `runs` computed by source rank `src_rank` (transfer.verify)."""
+        if self.engine:
+            return self.ranks.call("digests", request_id, runs, src_rank)[0]
+        if not getattr(self.ranks, "actors", None):  # in-process ranks
+            return self.ranks.call_each("digests", [(request_id, runs)])[src_rank]
+        import ray
+
+        return ray.get(self.ranks.actors[src_rank].call.remote("digests", request_id, runs),
+                       timeout=self.ranks.timeout_s)
 
     def kill(self) -> None:
         self.alive = False
+        if not getattr(self.ranks, "actors", None):  # in-process ranks: close them
+            try:
+                self.ranks.call("close")
+            except Exception:
+                pass
+            return
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.engine:  # let the engine stop its own processes (vLLM's workers) first
+            try:
+                ray.get(self.ranks.actors[0].call.remote("close"), timeout=30)
+            except Exception:
+                pass
         for a in self.ranks.actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -132,6 +240,10 @@ ROLES = ("prefill", "decode", "monolithic")
 def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
                    cpus: float, gpus: float, timeout_s: float, threads: int = 0) -> Instance:
     """Create the placement group and rank actors of one instance and set its ranks up."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     if role not in ROLES:
         raise ValueError(f"instance {name}: role must be one of {', '.join(ROLES)}, got {role!r}")
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
@@ -140,7 +252,7 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
         remove_placement_group(pg)
         raise RuntimeError(f"instance {name}: the cluster cannot place {tp} x {bundle} "
                            f"within {timeout_s} s (see `ray status`)")
-    actors = [RankActor.options(
+    actors = [RankActor().options(
         num_cpus=cpus, num_gpus=gpus, name=f"{name}-r{r}-g{generation}",
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
     ).remote(role, name, r, tp) for r in range(tp)]
@@ -156,3 +268,47 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
         Instance(role, name, generation, ranks, pg).kill()
         raise
     return Instance(role, name, generation, ranks, pg, agents)
+
+
+def start_engine_instance(name: str, generation: int, factory: str | Callable, args: tuple,
+                          cpus: float, gpus: int, timeout_s: float, start_timeout_s: float,
+                          env: dict[str, str] | None = None) -> Instance:
+    """One prefill instance run by a single engine actor (`EngineHost`) that holds all of its
+    `gpus` (vLLM: TP workers it spawns itself, which inherit the actor's CUDA_VISIBLE_DEVICES).
+    `start_timeout_s` bounds placement and the engine's start-up (vLLM: minutes on a cold Triton
+    cache); `timeout_s` every later call."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{name}-g{generation}")
+    if not pg.wait(timeout_seconds=start_timeout_s):
+        remove_placement_group(pg)
+        raise RuntimeError(f"instance {name}: the cluster cannot place one engine actor with "
+                           f"{bundle} on one node within {start_timeout_s} s (see `ray status`)")
+    actor = EngineActor().options(
+        num_cpus=cpus, num_gpus=gpus, name=f"{name}-engine-g{generation}",
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    ).remote(factory, name, generation, tuple(args), dict(env or {}))
+    ranks = RayRanks(name, [actor], timeout_s)
+    inst = Instance("prefill", name, generation, ranks, pg, engine=True)
+    try:
+        try:  # the constructor (the engine's start-up) runs before any method call returns
+            ray.get(actor.ping.remote(), timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"instance {name}: the engine did not start within "
+                               f"{start_timeout_s} s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"instance {name}: the engine failed to start: {exc}") from None
+        inst.agents = ranks.call("info")[0]  # one AgentInfo per worker of the engine
+    except Exception:
+        inst.kill()
+        raise
+    return inst
+
+
+def local_engine_instance(name: str, generation: int, engine) -> Instance:
+    """The same instance over an engine object in this process (no Ray, no placement)."""
+    ranks = EngineRanks(name, engine)
+    return Instance("prefill", name, generation, ranks, None, ranks.call("info")[0], engine=True)

@@ -7,6 +7,13 @@ the topology and its capacity without starting anything (`pdserve check`).
 decode pool, state moved over NIXL) or "monolithic" (instances whose ranks prefill and decode
 themselves, no transfer: the baseline that measures what disaggregation costs). A monolithic
 deployment is sized by `[decode]`; `[prefill]` and `[transfer]` are not used.
+
+`[prefill] engine = "vllm"` prefills with stock vLLM (docs/vllm.md, "Serving with pdserve
+serve"): each prefill instance is one actor holding `prefill.tp` GPUs, vLLM runs its own TP
+workers and holds the state in its own cache (`[prefill.vllm]` sizes it; `prefill.num_pages` and
+`num_slots` are not used). vLLM and pdserve's decode load one HF directory: `model.name` when it
+is one (config.json + *.safetensors), else the preset's seeded weights exported at start-up into
+`prefill.vllm.export_dir`.
 """
 from __future__ import annotations
 
@@ -38,13 +45,29 @@ class StateSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     conv_dtype: str = "float32"
 
 
+class VllmSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`[prefill.vllm]`: the stock vLLM engine of each prefill instance (engine = "vllm")."""
+    # where a preset's seeded weights are exported for vLLM (and then loaded by decode too),
+    # as <export_dir>/<preset>-seed<seed>-<config hash>; unused when model.name is a directory
+    export_dir: str = "~/.cache/pdserve/vllm"
+    max_model_len: int = 8192        # longest prompt + output (also caps the API's context)
+    gpu_memory_utilization: float = 0.9   # of each of the instance's GPUs (they are its own)
+    # vLLM's cache blocks; NIXL registers the cache whole and decode prepares descriptors over
+    # it, so the default caps it (0 = as many as memory allows: slow transfers set-up)
+    num_gpu_blocks: int = 256
+    enforce_eager: bool = True       # no CUDA graph capture in vLLM (prefill-only batches)
+    start_timeout_s: float = 900.0   # placement + start-up (a cold Triton cache takes minutes)
+    env: dict[str, str] = msgspec.field(default_factory=dict)  # for vLLM's processes
+
+
 class PrefillSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instances: int = 1
     tp: int = 1
     engine: Literal["reference", "vllm"] = "reference"
     num_pages: int = 256
     num_slots: int = 16
-    conv_layout: Literal["SD", "DS"] = "SD"
+    conv_layout: Literal["SD", "DS"] = "SD"    # vllm: VLLM_SSM_CONV_STATE_LAYOUT
+    vllm: VllmSection = VllmSection()
 
 
 class DecodeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -97,9 +120,16 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.mode == "monolithic"
 
     @property
+    def vllm(self) -> bool:
+        return not self.monolithic and self.prefill.engine == "vllm"
+
+    @property
     def num_ranks(self) -> int:
+        """Ray actors: one per rank, and one per vLLM prefill instance (it holds tp GPUs)."""
         decode = self.decode.instances * self.decode.tp
-        return decode if self.monolithic else decode + self.prefill.instances * self.prefill.tp
+        if self.monolithic:
+            return decode
+        return decode + self.prefill.instances * (1 if self.vllm else self.prefill.tp)
 
     @property
     def device(self) -> str:
@@ -141,8 +171,7 @@ def validate(cfg: ServeConfig) -> ModelConfig:
         except ValueError as exc:
             raise ConfigError(f"state.{field}", str(exc)) from None
     if cfg.prefill.engine == "vllm":
-        raise ConfigError("prefill.engine", "the vllm engine (pdserve.prefill.vllm_engine, "
-                          "docs/vllm.md) is not wired into `pdserve serve` yet; use 'reference'")
+        _validate_vllm(cfg)
     if cfg.monolithic:
         # A monolithic rank runs the reference engine's step for prefill and decode alike
         # (pdserve.model.generate.ReferenceEngine): no fused kernels, no captured steps.
@@ -183,12 +212,114 @@ def validate(cfg: ServeConfig) -> ModelConfig:
             raise ConfigError(f"{section}.tp", f"TP={tp} does not fit the model: {exc}") from None
     if cfg.monolithic:
         return model  # no transfer: no prefill -> decode topology to check
+    if cfg.vllm:
+        _validate_vllm_model(model)
     try:
         check_topology(RankShapes.of(model, cfg.prefill.tp), Topology(cfg.prefill.tp),
                        Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave))
     except TopologyError as exc:
         raise ConfigError("decode.tp", str(exc)) from None
     return model
+
+
+# vLLM 0.26's MLA prefill backends accept only Kimi's MLA head geometry (seen on the H200: "No
+# valid MLA prefill backend ... got (qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)").
+VLLM_MLA_DIMS = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+# The dtypes of vLLM's cache for a bf16 KimiLinear (the decode pools must hold the same).
+VLLM_STATE_DTYPES = {"latent_dtype": "bfloat16", "recurrent_dtype": "float32",
+                     "conv_dtype": "bfloat16"}
+
+
+def _validate_vllm(cfg: ServeConfig) -> None:
+    """`prefill.engine = "vllm"` against the rest of the config (the model is checked later)."""
+    if cfg.monolithic:
+        raise ConfigError("prefill.engine", "engine = \"vllm\" needs mode = \"disaggregated\" "
+                          "(a monolithic instance prefills with its own reference engine)")
+    if cfg.resources.gpus_per_rank <= 0:
+        raise ConfigError("resources.gpus_per_rank", "prefill.engine = \"vllm\" runs on GPUs "
+                          "(each vLLM instance holds prefill.tp of them, and decode reads its "
+                          "cache from GPU memory): set gpus_per_rank > 0")
+    if cfg.model.dtype != "bfloat16":
+        raise ConfigError("model.dtype", f"prefill.engine = \"vllm\" runs bfloat16 (vLLM's MLA "
+                          f"kernels need 16-bit activations), got {cfg.model.dtype!r}")
+    for field, want in VLLM_STATE_DTYPES.items():
+        got = getattr(cfg.state, field)
+        if dtype_of(got) != dtype_of(want):
+            raise ConfigError(f"state.{field}", f"must be {want!r} with prefill.engine = "
+                              f"\"vllm\" (the dtype of vLLM's cache, which decode reads as "
+                              f"is), got {got!r}")
+    v = cfg.prefill.vllm
+    for field in ("max_model_len", "start_timeout_s"):
+        _positive(f"prefill.vllm.{field}", getattr(v, field))
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError("prefill.vllm.gpu_memory_utilization",
+                          f"must be in (0, 1], got {v.gpu_memory_utilization}")
+    if v.num_gpu_blocks < 0:
+        raise ConfigError("prefill.vllm.num_gpu_blocks", f"must be >= 0 (0 = as many as memory "
+                          f"allows), got {v.num_gpu_blocks}")
+    if not v.export_dir:
+        raise ConfigError("prefill.vllm.export_dir", "must not be empty")
+    for key in ("VLLM_SSM_CONV_STATE_LAYOUT", "VLLM_WORKER_MULTIPROC_METHOD"):
+        if key in v.env:
+            raise ConfigError("prefill.vllm.env", f"{key} is set by pdserve ("
+                              + ("prefill.conv_layout" if "CONV" in key else "always 'spawn'")
+                              + "); remove it")
+
+
+def _validate_vllm_model(model: ModelConfig) -> None:
+    bad = {k: getattr(model, k) for k, v in VLLM_MLA_DIMS.items() if getattr(model, k) != v}
+    if bad:
+        raise ConfigError("model.name", "prefill.engine = \"vllm\": vLLM 0.26's MLA prefill "
+                          f"backends need Kimi's MLA head dims ({_kv(VLLM_MLA_DIMS)}); this "
+                          f"model has {_kv(bad)} (export one with those dims: docs/vllm.md)")
+
+
+def _kv(d: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+def vllm_model_dir(cfg: ServeConfig, model: ModelConfig) -> tuple[Path, bool]:
+    """(the HF directory vLLM and decode load, whether it is an automatic export)."""
+    from pdserve.prefill.vllm_engine import export_name
+
+    name = Path(cfg.model.name).expanduser()
+    if cfg.model.name not in PRESETS and name.is_dir() and any(name.glob("*.safetensors")):
+        return name, False
+    root = Path(cfg.prefill.vllm.export_dir).expanduser()
+    return root / export_name(cfg.model.name, model, cfg.model.seed), True
+
+
+def vllm_engine_config(cfg: ServeConfig, model_dir: str | Path):
+    """The `VllmEngineConfig` of every vLLM prefill instance of `cfg`."""
+    from pdserve.prefill.vllm_engine import VllmEngineConfig
+
+    v = cfg.prefill.vllm
+    return VllmEngineConfig(model=str(model_dir), tp=cfg.prefill.tp, dtype=cfg.model.dtype,
+                            max_model_len=v.max_model_len,
+                            gpu_memory_utilization=v.gpu_memory_utilization,
+                            num_gpu_blocks=v.num_gpu_blocks or None,
+                            enforce_eager=v.enforce_eager, lease_s=cfg.transfer.lease_s,
+                            rpc_timeout_s=cfg.resources.call_timeout_s)
+
+
+def vllm_env(cfg: ServeConfig) -> dict[str, str]:
+    """Environment of a vLLM prefill actor: spawn (fork fails once CUDA is initialised), the
+    conv layout, then the config's own variables."""
+    return {"VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+            "VLLM_SSM_CONV_STATE_LAYOUT": cfg.prefill.conv_layout, **cfg.prefill.vllm.env}
+
+
+def check_vllm_geometry(cfg: ServeConfig, geometry) -> None:
+    """vLLM's cache as its workers report it (`KvGeometry`) against what the config says decode
+    holds: a mismatch would fail every transfer, so it stops the start-up instead."""
+    for field in VLLM_STATE_DTYPES:
+        if dtype_of(getattr(geometry, field)) != dtype_of(getattr(cfg.state, field)):
+            raise ConfigError(f"state.{field}", f"vLLM's cache holds {getattr(geometry, field)}, "
+                              f"the config says {getattr(cfg.state, field)!r}")
+    if geometry.conv_layout != cfg.prefill.conv_layout:
+        raise ConfigError("prefill.conv_layout", f"vLLM's conv state is {geometry.conv_layout} "
+                          f"(VLLM_SSM_CONV_STATE_LAYOUT), the config says "
+                          f"{cfg.prefill.conv_layout!r}")
 
 
 def load_serve_config(path: str | Path | None = None) -> tuple[ServeConfig, ModelConfig]:
@@ -235,6 +366,9 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
                  ("decode", cfg.decode, f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}, "
                   f"max batch {cfg.decode.max_batch}")]
     for role, sec, extra in pools:
+        if role == "prefill" and cfg.vllm:
+            lines += _describe_vllm(cfg, model)
+            continue
         shapes = RankShapes.of(model, sec.tp)
         sizes = RegionSizes.of(shapes, cfg.layout(sec.conv_layout))
         slot = shapes.n_kda * (sizes.recurrent_slot + sizes.conv_slot)
@@ -251,6 +385,31 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
                      f"{cfg.transfer.expected_gbps} GB/s, lease {cfg.transfer.lease_s} s, "
                      f"verify {cfg.transfer.verify}")
     lines.append(f"api: http://{cfg.api.host}:{cfg.api.port}/v1 (queue {cfg.api.max_queue})")
-    lines.append(f"resources: {cfg.resources.cpus_per_rank} CPU + {cfg.resources.gpus_per_rank} "
-                 f"GPU per rank; {cfg.num_ranks} ranks")
+    if cfg.vllm:
+        decode = cfg.decode.instances * cfg.decode.tp
+        lines.append(f"resources: {cfg.resources.cpus_per_rank} CPU + "
+                     f"{cfg.resources.gpus_per_rank} GPU per decode rank; {decode} decode ranks + "
+                     f"{cfg.prefill.instances} vLLM actor(s) x ({cfg.resources.cpus_per_rank} CPU + "
+                     f"{cfg.prefill.tp} GPU); {cfg.num_ranks} actors, "
+                     f"{decode * cfg.resources.gpus_per_rank + cfg.prefill.instances * cfg.prefill.tp:g}"
+                     " GPUs")
+    else:
+        lines.append(f"resources: {cfg.resources.cpus_per_rank} CPU + "
+                     f"{cfg.resources.gpus_per_rank} GPU per rank; {cfg.num_ranks} ranks")
     return "\n".join(lines)
+
+
+def _describe_vllm(cfg: ServeConfig, model: ModelConfig) -> list[str]:
+    v, p = cfg.prefill.vllm, cfg.prefill
+    path, export = vllm_model_dir(cfg, model)
+    blocks = v.num_gpu_blocks or "as many as memory allows"
+    return [
+        f"prefill: {p.instances} instance(s) x TP {p.tp}, engine vllm (stock vLLM: one actor "
+        f"per instance holding {p.tp} GPU(s); vLLM spawns its {p.tp} TP worker(s))",
+        f"  vLLM: max_model_len {v.max_model_len}, cache blocks {blocks}, "
+        f"gpu_memory_utilization {v.gpu_memory_utilization}, enforce_eager {v.enforce_eager}, "
+        f"conv layout {p.conv_layout}; state held in vLLM's cache (prefill.num_pages/num_slots "
+        "not used)",
+        f"  weights: {path}" + (" (the preset's seeded weights, exported at start-up unless "
+                                "there)" if export else " (vLLM and decode load this directory)"),
+    ]

@@ -3,6 +3,11 @@
 
 Locally `ray.init()` starts an embedded cluster; inside `ray job submit` (RAY_ADDRESS is set) or
 with `--address`, it attaches to the running cluster.
+
+With `prefill.engine = "vllm"` each prefill instance is one engine actor running stock vLLM
+(`VllmPrefill`, imported only inside that actor) on `prefill.tp` GPUs; `assemble` wires started
+instances into the router the same way for both engines, and runs without Ray (the GPU test
+builds the instances in-process).
 """
 from __future__ import annotations
 
@@ -11,10 +16,9 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-import ray
-
-from pdserve.cluster.actors import start_instance
-from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.actors import Instance, start_engine_instance, start_instance
+from pdserve.cluster.config import (ServeConfig, check_vllm_geometry, vllm_engine_config,
+                                    vllm_env, vllm_model_dir)
 from pdserve.cluster.router import DecodeSlot, Router
 from pdserve.decode.instance import DecodeInstance, MonolithicInstance
 from pdserve.model.config import PRESETS
@@ -23,8 +27,12 @@ from pdserve.transfer.dest import TransferConfig
 
 log = logging.getLogger("pdserve.serve")
 
+VLLM_FACTORY = "pdserve.prefill.vllm_engine:VllmPrefill"
+
 
 def _init_ray(cfg: ServeConfig, address: str | None) -> None:
+    import ray
+
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -41,12 +49,27 @@ def _eos(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
+def prepare_vllm_model(cfg: ServeConfig, model, progress=print) -> Path:
+    """The HF directory vLLM and decode load: `model.name` when it is one, else the preset's
+    seeded weights exported (once) into `prefill.vllm.export_dir`."""
+    from pdserve.prefill.vllm_engine import ensure_export
+
+    path, export = vllm_model_dir(cfg, model)
+    if export and not (path / "config.json").exists():
+        progress(f"exporting the seeded weights of {cfg.model.name} (seed {cfg.model.seed}) for "
+                 f"vLLM to {path} (once) ...")
+    return ensure_export(path, model, cfg.model.seed) if export else path
+
+
 def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -> Router:
     """Start every instance (with placement groups) and return the router over them."""
     _init_ray(cfg, address)
     checkpoint = None
     if cfg.model.name not in PRESETS and any(Path(cfg.model.name).glob("*.safetensors")):
         checkpoint = cfg.model.name
+    model_dir = prepare_vllm_model(cfg, model, progress) if cfg.vllm else None
+    if model_dir is not None:
+        checkpoint = str(model_dir)  # decode loads exactly the weights vLLM loads
     common = dict(config=model, seed=cfg.model.seed, checkpoint=checkpoint, device=cfg.device,
                   dtype=cfg.model.dtype)
     if cfg.monolithic:
@@ -55,7 +78,13 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
     prefill, decode = [], []
     try:
         for i in range(cfg.prefill.instances):
-            progress(f"starting prefill-{i} (TP {cfg.prefill.tp}) ...")
+            progress(f"starting prefill-{i} (TP {cfg.prefill.tp}, engine {cfg.prefill.engine}) ...")
+            if cfg.vllm:
+                prefill.append(start_engine_instance(
+                    f"prefill-{i}", 0, VLLM_FACTORY, (vllm_engine_config(cfg, model_dir),),
+                    res.cpus_per_rank, cfg.prefill.tp, res.call_timeout_s,
+                    cfg.prefill.vllm.start_timeout_s, vllm_env(cfg)))
+                continue
             prefill.append(start_instance(
                 "prefill", f"prefill-{i}", 0, cfg.prefill.tp,
                 dict(common, layout=cfg.layout(cfg.prefill.conv_layout),
@@ -64,30 +93,42 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
                      # pages laid out per decode DCP rank: one read per rank and layer
                      decode_topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave)),
                 res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
-        transfer = TransferConfig(cfg.transfer.deadline_s, cfg.transfer.expected_gbps,
-                                  cfg.transfer.verify, cfg.transfer.lease_s)
         for i in range(cfg.decode.instances):
             progress(f"starting decode-{i} (TP {cfg.decode.tp}, backend {cfg.decode.backend}) ...")
             decode.append(start_instance(
                 "decode", f"decode-{i}", 0, cfg.decode.tp,
-                dict(common, layout=cfg.layout(cfg.decode.conv_layout),
-                     num_pages=cfg.decode.num_pages, num_slots=cfg.decode.num_slots,
-                     backend=cfg.decode.backend, transfer=transfer,
-                     cuda_graphs=cfg.decode.cuda_graphs),
+                dict(common, **decode_kwargs(cfg)),
                 res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
+        return assemble(cfg, model, prefill, decode)
     except Exception:
         for inst in prefill + decode:
             inst.kill()
         raise
+
+
+def decode_kwargs(cfg: ServeConfig) -> dict:
+    """A decode rank's settings from the config (beside the model's `common` ones)."""
+    transfer = TransferConfig(cfg.transfer.deadline_s, cfg.transfer.expected_gbps,
+                              cfg.transfer.verify, cfg.transfer.lease_s)
+    return dict(layout=cfg.layout(cfg.decode.conv_layout), num_pages=cfg.decode.num_pages,
+                num_slots=cfg.decode.num_slots, backend=cfg.decode.backend, transfer=transfer,
+                cuda_graphs=cfg.decode.cuda_graphs)
+
+
+def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Instance]) -> Router:
+    """The router over started prefill and decode instances (Ray actors or in-process): every
+    prefill instance learns the decode ranks' agents, and each decode instance gets a batcher.
+    A vLLM instance's cache layout is checked against the config first."""
+    if cfg.vllm:
+        for p in prefill:
+            check_vllm_geometry(cfg, p.ranks.call("geometry")[0])
     agents = [a for d in decode for a in d.agents]
     for p in prefill:
         p.ranks.call("connect", agents)
     by_name = {p.name: p for p in prefill}
 
     def digests(handle, src_rank, runs):
-        actor = by_name[handle.instance].ranks.actors[src_rank]
-        return ray.get(actor.call.remote("digests", handle.request_id, runs),
-                       timeout=res.call_timeout_s)
+        return by_name[handle.instance].digests(src_rank, handle.request_id, runs)
 
     eos = _eos(model)
     slots = []
@@ -97,11 +138,29 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
                                 digests if cfg.transfer.verify else None)
         slots.append(DecodeSlot(d, engine, min(cfg.decode.max_batch, cfg.decode.num_slots - 1),
                                 cfg.api.max_queue))
-    max_context = min(cfg.prefill.num_pages - 1, cfg.decode.num_pages - 1) * cfg.state.page_tokens
+    decode_tokens = (cfg.decode.num_pages - 1) * cfg.state.page_tokens
+    if cfg.vllm:  # vLLM's cache is sized in its own blocks; max_model_len bounds one request
+        max_context = min(cfg.prefill.vllm.max_model_len, decode_tokens)
+    else:
+        max_context = min(cfg.prefill.num_pages - 1, cfg.decode.num_pages - 1) * cfg.state.page_tokens
     router = Router(cfg.model.name, max_context, prefill, slots, cfg.api.max_queue,
                     cfg.resources.prefill_idle_threads)
     router.instances = prefill + decode
     return router
+
+
+def assemble_local(cfg: ServeConfig, model, prefill_engines: list, decode_ranks: list) -> Router:
+    """An in-process deployment, no Ray: `prefill_engines[i]` is a whole prefill instance named
+    "prefill-{i}" (a `VllmPrefill`: its own TP workers), `decode_ranks[i]` the one rank (TP 1) of
+    decode instance "decode-{i}", built with `decode_kwargs(cfg)`. The same router and wiring
+    as `start` (tests/gpu/test_vllm_serve.py runs it on a GPU machine without Ray)."""
+    from pdserve.cluster.actors import local_engine_instance
+    from pdserve.decode.instance import LocalRanks
+
+    prefill = [local_engine_instance(f"prefill-{i}", 0, e) for i, e in enumerate(prefill_engines)]
+    decode = [Instance("decode", f"decode-{i}", 0, LocalRanks([r]), None, [r.info()])
+              for i, r in enumerate(decode_ranks)]
+    return assemble(cfg, model, prefill, decode)
 
 
 def _start_monolithic(cfg: ServeConfig, common: dict, eos: set[int], progress) -> Router:

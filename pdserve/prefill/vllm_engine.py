@@ -11,8 +11,13 @@ vLLM is imported only when an engine is built (GPU machines); this module import
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -59,7 +64,45 @@ def engine_args(instance: str, generation: int, cfg: VllmEngineConfig) -> dict:
     )
     if cfg.num_gpu_blocks is not None:
         args["num_gpu_blocks_override"] = cfg.num_gpu_blocks
+    if cfg.tp > 1:
+        # vLLM picks its Ray executor when it runs inside a Ray placement group (a pdserve
+        # engine actor); its own spawned workers are what the actor's GPUs are held for.
+        args["distributed_executor_backend"] = "mp"
     return args
+
+
+def export_name(name: str, config, seed: int) -> str:
+    """Directory name of an automatic export: the preset, the seed and a hash of the config."""
+    from pdserve.model.weights import hf_config_dict
+
+    key = json.dumps(hf_config_dict(config), sort_keys=True, default=str) + f"|seed={seed}|bf16"
+    p = Path(name)
+    stem = p.parent.name if p.name == "config.json" else p.name
+    return f"{stem}-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def ensure_export(directory: str | Path, config, seed: int) -> Path:
+    """`directory` as an HF directory of `config`'s seeded weights in bf16 (what `pdserve export`
+    writes): written once, atomically (a temporary directory renamed into place under a file
+    lock), and reused while it is there."""
+    from pdserve.model.weights import export_checkpoint
+
+    out = Path(directory).expanduser()
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+            return out
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            export_checkpoint(str(tmp), config, seed=seed)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def vllm_sampling_kwargs(params: SamplingParams) -> dict:
@@ -119,10 +162,23 @@ class VllmPrefill:
     def connect(self, infos: list[AgentInfo]) -> None:
         self._rpc("pdserve_connect", [msgspec.msgpack.encode(i) for i in infos])
 
-    def prefill(self, requests: list[Request], agents: list[AgentInfo] | None = None
-                ) -> list[PrefillResult]:
+    def geometry(self):
+        """vLLM's cache layout (`KvGeometry`), the same on every worker (checked)."""
+        from pdserve.prefill.vllm_connector import RankExport
+
+        geos = [msgspec.msgpack.decode(raw, type=RankExport).geometry
+                for raw in self._rpc("pdserve_info")]
+        if any(not g.same_layout(geos[0]) for g in geos[1:]):
+            raise RuntimeError(f"prefill instance {self.instance}: vLLM's workers report "
+                               f"different cache layouts: {geos}")
+        return geos[0]
+
+    def prefill(self, requests: list[Request], agents: list[AgentInfo] | None = None,
+                threads: int | None = None) -> list[PrefillResult]:
         """Prefill `requests` together (vLLM batches them); first token + handle per request.
-        `agents` is accepted for interface parity: the handles carry vLLM's own rank agents."""
+        `agents` and `threads` are accepted for parity with `PrefillRank.prefill` (the router
+        calls both alike): the handles carry vLLM's own rank agents, and vLLM's workers own
+        their threads."""
         from vllm import SamplingParams as VllmSamplingParams
 
         params = [r.params.with_seed() for r in requests]
@@ -165,5 +221,12 @@ class VllmPrefill:
                 "time": time.time()}
 
     def close(self) -> None:
-        # vLLM tears its workers (and so the connectors' agents) down with the engine
-        self.llm = None
+        # vLLM tears its workers (and so the connectors' agents) down with the engine; shut its
+        # engine core down now rather than at garbage collection (the GPUs are freed then)
+        llm, self.llm = self.llm, None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        try:
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+        except Exception:
+            pass

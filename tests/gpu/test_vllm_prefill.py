@@ -30,10 +30,8 @@ PDSERVE_VLLM_TEST_DECODE_DTYPE=float32 runs pdserve's decode in fp32 (default bf
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import random
 import time
 
 import msgspec
@@ -42,60 +40,23 @@ import torch
 
 from pdserve.model.weights import export_checkpoint
 from pdserve.prefill.child import Child, serve_child
+from vllm_fixtures import (CHILD_ENV, GPU_MEM, MAX_MODEL_LEN, NUM_GPU_BLOCKS, SEED, TIE,  # noqa: F401
+                           TINY_LENGTHS, TINY_TOKENS, TINY_VLLM, VLLM_MARKS, dense_logprobs,
+                           first_divergence, make_prompts, reference_kwargs, reference_main,
+                           top2_margin)
 
-SEED = 7
-GPU_MEM = 0.3             # of the GPU for each vLLM engine, so a decode process fits beside it
-NUM_GPU_BLOCKS = 64       # also bounds the NIXL descriptors the decode side prepares
-MAX_MODEL_LEN = 1024
 START_S = 600             # vLLM start-up (import, weights, profiling) per engine
 CALL_S = 180              # any other command
-TINY_LENGTHS = (5, 70, 300)
 KIMI_LENGTHS = (5, 70, 300)
-TINY_TOKENS = 16
 LOGIT_TOL = 1e-2
 TINY_LOGIT_TOL = 2e-2     # tiny in bf16 end to end, every step (kimi: the first step, LOGIT_TOL)
-TIE = 0.125               # log-prob: 8 bf16 steps of a logit in [2, 4); near-ties below it
 FAULT_LEASE_S = 8.0
 DECODE_DTYPE = os.environ.get("PDSERVE_VLLM_TEST_DECODE_DTYPE", "bfloat16")
-CHILD_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0",   # its JIT sources are not on the H200 carry
-             "TOKENIZERS_PARALLELISM": "false"}
 
-
-def _have(*names: str) -> bool:
-    return any(importlib.util.find_spec(n) is not None for n in names)
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (H200 via the device tool)"),
-    pytest.mark.skipif(not _have("vllm"), reason="vllm is not importable (the H200 gets vLLM 0.26.0 "
-                       "from shared/device/make-vllm-carry.sh; see docs/vllm.md)"),
-    pytest.mark.skipif(not _have("nixl_cu12", "nixl_cu13", "nixl"), reason="NIXL is not installed"),
-]
+pytestmark = VLLM_MARKS
 
 
 # == pure helpers (no GPU) ===========================================================================
-def make_prompts(lengths, vocab: int, seed: int = SEED) -> list[list[int]]:
-    """Seeded random token ids, one prompt per length (no special tokens: both sides take ids)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def dense_logprobs(entry, vocab: int) -> list[float]:
-    """vLLM's {token: Logprob} for one position -> a dense list; tokens it left out are NaN."""
-    out = [math.nan] * vocab
-    for tok, lp in entry.items():
-        if 0 <= tok < vocab:
-            out[tok] = float(getattr(lp, "logprob", lp))
-    return out
-
-
-def top2_margin(entry) -> float:
-    """Top-1 minus top-2 log-probability of one vLLM position (inf with a single entry)."""
-    top = sorted((float(getattr(lp, "logprob", lp)) for lp in entry.values()), reverse=True)
-    return top[0] - top[1] if len(top) > 1 else math.inf
-
-
 def centred_rel_error(logits, logprobs) -> float:
     """|c(logits) - c(logprobs)| / |c(logprobs)| with c(x) = x - mean(x): a log-softmax is its
     logits minus one constant, so centring removes exactly that constant."""
@@ -107,46 +68,7 @@ def centred_rel_error(logits, logprobs) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or of the shorter list's end), None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 # == child processes ===============================================================================
-def reference_main(conn, model_dir: str, llm_kwargs: dict, env: dict) -> None:
-    """Plain `vllm.LLM` (no connector): vLLM's own monolithic generation."""
-    def build():
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(model=model_dir, **llm_kwargs)
-
-        def generate(prompts, max_tokens, k, dense_at, vocab):
-            """Greedy; per prompt (tokens, dense log-probs at output position `dense_at` (every
-            position for "all") when k == vocab, vLLM's top-1 minus top-2 log-prob at every
-            position)."""
-            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                detokenize=False, logprobs=k)
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-            res = []
-            for o in outs:
-                c = o.outputs[0]
-                entries = [c.logprobs[i] for i in range(len(c.token_ids))]
-                margins = [top2_margin(e) for e in entries]
-                if dense_at == "all":
-                    dense = [dense_logprobs(e, vocab) for e in entries]
-                else:
-                    dense = dense_logprobs(entries[dense_at], vocab) if dense_at is not None else None
-                res.append((list(c.token_ids), dense, margins))
-            return res
-
-        return {"generate": generate}
-
-    serve_child(conn, "vllm-reference", build, env)
-
-
 def prefill_main(conn, instance: str, cfg: dict, env: dict) -> None:
     """`VllmPrefill` (vLLM + PdserveConnector). Results and handles go back msgpack-encoded."""
     def build():
@@ -238,14 +160,6 @@ def decode_main(conn, model_dir: str, layout: dict, dtype: str, num_pages: int, 
 
 
 # == orchestration helpers =========================================================================
-def reference_kwargs(vocab: int) -> dict:
-    """A plain engine with the prefill engine's numerics (eager, bf16, same cache) + logprobs."""
-    return dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=GPU_MEM,
-                enforce_eager=True, skip_tokenizer_init=True, enable_prefix_caching=False,
-                async_scheduling=False, num_gpu_blocks_override=NUM_GPU_BLOCKS,
-                max_logprobs=vocab, seed=0)
-
-
 def prefill_cfg(model_dir: str, lease_s: float = 30.0) -> dict:
     return dict(model=str(model_dir), max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=GPU_MEM,
                 num_gpu_blocks=NUM_GPU_BLOCKS, enforce_eager=True, lease_s=lease_s,
@@ -304,19 +218,6 @@ def prefill_handles(pre: Child, reqs) -> list:
 def held_ids(pre: Child) -> set[str]:
     """Requests the connector's worker still holds (leases), over every TP rank."""
     return {r for rank in pre.call("held") for r in rank}
-
-
-# vLLM 0.26's MLA prefill backends accept only Kimi's MLA geometry (seen on the H200: "No valid
-# MLA prefill backend ... got (qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)"), so the
-# tiny model keeps its 4 layers / 128 hidden / byte vocabulary and takes Kimi's MLA head dims.
-TINY_VLLM = dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from pdserve.model.config import preset
-    return str(export_checkpoint(str(tmp_path_factory.mktemp("tiny-hf")),
-                                 preset("tiny", **TINY_VLLM), seed=SEED))
 
 
 @pytest.fixture(scope="module")
