@@ -158,6 +158,14 @@ def ours_calls(cell, cluster=None, pdl=False, min_blocks=0):
             for s in cell.sets()]
 
 
+def parse_variant(name):
+    """'c1', 'c2', 'c4', 'c8' -> launch keywords (a fixed cluster size)."""
+    from pdserve.kernels.kda_decode import cutedsl
+    if name[:1] == "c" and name[1:].isdigit() and int(name[1:]) in cutedsl.CLUSTER_SIZES:
+        return {"cluster": int(name[1:])}
+    raise ValueError(f"variant {name!r}: expected c<C>, C in {cutedsl.CLUSTER_SIZES}")
+
+
 def torch_conv(cell, slots):
     """Stock conv part in torch: causal conv update + SiLU over [q|k|v], state rolled in place."""
     x = torch.cat([cell.q, cell.k, cell.v], dim=1)                    # [B, 3HD]
@@ -225,7 +233,12 @@ def main(argv=None):
     ap.add_argument("--no-cluster-sweep", action="store_true")
     ap.add_argument("--occupancy-sweep", action="store_true",
                     help="also time a register cap for 3 CTAs/SM (C = 1, 2; B*H >= 192)")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="also time these kernel variants plain and with PDL and tabulate them "
+                         "beside the default, e.g. c1 c2 c4 c8 (see parse_variant)")
+    ap.add_argument("--no-stock", action="store_true", help="skip fla-core / torch stock timings")
     args = ap.parse_args(argv)
+    variants = {name: parse_variant(name) for name in args.variants}   # fail before any timing
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     torch.backends.cuda.matmul.allow_tf32 = False
     from pdserve.kernels.kda_decode import cutedsl
@@ -265,14 +278,25 @@ def main(argv=None):
             except Exception as exc:  # noqa: BLE001
                 r["ours_error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
+            for name, kw in variants.items():
+                try:
+                    r.setdefault("variants_us", {})[name] = {
+                        mode: graph_us_per_call(ours_calls(cell, pdl=pdl, **kw))
+                        for mode, pdl in (("plain", False), ("pdl", True))}
+                except Exception as exc:  # noqa: BLE001
+                    r.setdefault("variants_us", {})[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                    traceback.print_exc()
             try:
-                sets = cell.sets()
-                r["fla_us"] = graph_us_per_call([lambda s=s: fla_core(cell, s) for s in sets])
-                r["torch_conv_us"] = graph_us_per_call([lambda s=s: torch_conv(cell, s) for s in sets])
-                o = fla_core(cell, sets[0])
-                r["torch_norm_us"] = graph_us_per_call([lambda: torch_norm(cell, o) for _ in sets])
-                r["stock_us"] = graph_us_per_call(
-                    [lambda s=s: torch_norm(cell, fla_core(cell, s, torch_conv(cell, s))) for s in sets])
+                if not args.no_stock:
+                    sets = cell.sets()
+                    r["fla_us"] = graph_us_per_call([lambda s=s: fla_core(cell, s) for s in sets])
+                    r["torch_conv_us"] = graph_us_per_call(
+                        [lambda s=s: torch_conv(cell, s) for s in sets])
+                    o = fla_core(cell, sets[0])
+                    r["torch_norm_us"] = graph_us_per_call([lambda: torch_norm(cell, o) for _ in sets])
+                    r["stock_us"] = graph_us_per_call(
+                        [lambda s=s: torch_norm(cell, fla_core(cell, s, torch_conv(cell, s)))
+                         for s in sets])
             except Exception as exc:  # noqa: BLE001
                 r["stock_error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
@@ -313,6 +337,16 @@ def main(argv=None):
               f"{f(r, 'frac_of_floor', '{:.0%}'):>7} {f(r, 'speedup_vs_stock', '{:.2f}'):>7} "
               f"{f(r, 'speedup_vs_fla_core', '{:.2f}'):>6} {f(r, 'ours_pdl_us'):>7} "
               f"{f(r, 'pdl_frac_of_floor', '{:.0%}'):>7}")
+    if args.variants:
+        print("\nvariants, us per call plain / pdl (default: the launcher's choice)")
+        print(f"{'H':>3} {'B':>3} {'floor':>6} {'default':>13} " + " ".join(f"{v:>13}" for v in args.variants))
+        for r in res["cells"].values():
+            cols = []
+            for v in args.variants:
+                t = r.get("variants_us", {}).get(v, {})
+                cols.append(f"{t['plain']:6.1f}/{t['pdl']:<6.1f}" if "pdl" in t else f"{'err':>13}")
+            print(f"{r['H']:>3} {r['B']:>3} {r['floor_us']:6.2f} "
+                  f"{f(r, 'ours_us'):>6}/{f(r, 'ours_pdl_us'):<6} " + " ".join(cols))
     print(f"json: {out}")
     return 0
 

@@ -5,7 +5,8 @@ are never skipped: CI installs nvidia-cutlass-dsl (the `test` extra), so a missi
 
 The compiled variants are (cluster size C, conv layout, decay form, PDL on/off); H, B and the pool
 sizes are run-time arguments, so every supported H is served by the same 32 cubins. Each variant
-is compiled once per session (module cache) and then checked for every H the guard admits.
+is compiled once per session (module cache) and then checked for every H the guard admits. The
+cubins' spill stack is read too: the state must stay in registers.
 """
 import os
 
@@ -66,6 +67,7 @@ def test_variant_compiles_to_sm90a_cubin(cluster, layout, bounded, pdl, dump_roo
     rows_per_thread = cutedsl.D // cluster // cutedsl.ROWS_PER_PASS
     assert ptx.count("ld.global.v4") >= 2 * rows_per_thread
     assert ptx.count("st.global.v4") == 2 * rows_per_thread
+    assert cutedsl.cubin_resources(art.CUBIN)["stack"] == 0, "register spills"
     if cluster > 1:
         assert "barrier.cluster.arrive" in ptx and "st.shared::cluster" in ptx
     else:

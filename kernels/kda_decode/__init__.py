@@ -11,9 +11,17 @@ and update `state_pool` / `conv_pool` in place. The decode runtime picks one wit
     impl = registry.resolve(OP, "cutedsl", problem).impl
 
 which falls back to the reference (logging why, once) whenever `cutedsl_guard` refuses.
+
+The registry's "cutedsl" entry (`kda_decode_cutedsl_runtime`) launches the kernel with
+programmatic dependent launch (PDL; PDSERVE_KDA_PDL=0 turns it off): whoever calls it through the
+registry takes on the PDL contract of `kda_decode_cutedsl`, i.e. the kernel immediately before it in
+the stream must not write slot_idx, the pools or the parameters. The decode runtime keeps it in
+`pdserve.model.kda.KDAAttention.forward` (cached packed conv weight, int32 slot ids built with the
+batch). Direct calls of `kda_decode_cutedsl` launch without PDL unless asked.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import torch
@@ -130,8 +138,19 @@ def kda_decode_cutedsl(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias,
                           slot_idx, conv_layout, out, cluster=cluster, pdl=pdl)
 
 
+RUNTIME_PDL = os.environ.get("PDSERVE_KDA_PDL", "1") != "0"
+
+
+def kda_decode_cutedsl_runtime(*args, **kwargs):
+    """`kda_decode_cutedsl` as the decode runtime launches it: with PDL (unless
+    PDSERVE_KDA_PDL=0 at import), so its slot, pool and parameter loads overlap the tail of the
+    kernel before it. The caller must keep the PDL contract (see `kda_decode_cutedsl`)."""
+    kwargs.setdefault("pdl", RUNTIME_PDL)
+    return kda_decode_cutedsl(*args, **kwargs)
+
+
 registry.register(OP, registry.REFERENCE, kda_decode_reference)
-registry.register(OP, "cutedsl", kda_decode_cutedsl, cutedsl_guard)
+registry.register(OP, "cutedsl", kda_decode_cutedsl_runtime, cutedsl_guard)
 
 __all__ = ["OP", "SUPPORTED_HEADS", "kda_decode_problem", "cutedsl_guard", "kda_decode_cutedsl",
-           "kda_decode_reference"]
+           "kda_decode_cutedsl_runtime", "kda_decode_reference", "RUNTIME_PDL"]

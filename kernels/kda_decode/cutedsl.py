@@ -28,6 +28,19 @@ Geometry (the split design of vLLM's Blackwell `KdaSplit`, written from scratch 
 Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets output zeros.
 H, B and the pool sizes are run-time values; the compiled variants are (C, conv layout, decay form,
 PDL); each compiles in well under a second, also on a CPU-only machine (CUTE_DSL_ARCH=sm_90a).
+
+Status on the H200: two ways to raise occupancy were tried there on 2026-11-29 and were slower
+than the default (`choose_cluster`, state in registers) everywhere: the state staged through
+shared memory by cp.async ("smem", 3 CTAs/SM at C = 1 instead of 2; removed again) and register
+caps for m CTAs per SM (`min_blocks`, off by default; "m3" spills at C = 1). us per call, plain /
+PDL, CUDA-graph medians (raw sweep: benchmarks/results/kda_sweep_h200.json):
+    H   B  floor  default      c1           c1-smem      c1-m3        c2-m3        c2-smem-m4
+   12   1   0.39    3.6/2.1      4.8/2.8      5.3/3.1      6.6/3.5      4.4/2.5      4.7/2.7
+   12  64  24.64   30.9/30.0    31.0/30.1    32.2/31.0    43.6/41.7    33.2/32.2    34.4/32.5
+   96   1   3.08    7.1/5.0      7.1/5.0      7.3/5.5      8.2/6.4      7.1/5.7      7.5/5.8
+   96  64 197.15  212.3/209.9  211.5/209.8  213.5/213.3  312.6/309.2  229.1/234.7  231.5/229.4
+Each CTA serializes its wave's state load, compute and store, and 2 vs 3 CTAs per SM did not change
+that; the next step is a persistent kernel that prefetches the next head's state while it computes.
 """
 from __future__ import annotations
 
@@ -379,6 +392,41 @@ def compile_variant(cluster: int, conv_layout: str, bounded: bool, pdl: bool = F
             fn = cute.compile(kern, *_fake_args())
             _compiled[key] = fn
     return fn
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and spill stack bytes of the kernel in `cubin`, read from the ELF's
+    `.nv.info` section (EIATTR_REGCOUNT 0x2f, EIATTR_FRAME_SIZE 0x11 / MIN_STACK_SIZE 0x12:
+    what `cuobjdump --dump-resource-usage` prints as REG / STACK; a non-zero stack here means
+    spills), so it works on a CPU-only machine."""
+    import struct
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    hdrs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    stroff = hdrs[shstrndx][4]
+    res = {"stack": 0}
+    for h in hdrs:
+        name = cubin[stroff + h[0]: cubin.index(b"\0", stroff + h[0])]
+        if name != b".nv.info":
+            continue
+        p, end = h[4], h[4] + h[5]
+        while p < end:
+            fmt, attr = cubin[p], cubin[p + 1]
+            p += 2
+            if fmt == 4:                                   # EIFMT_SVAL: u16 size + payload
+                size, = struct.unpack_from("<H", cubin, p)
+                if attr in (0x2F, 0x11, 0x12) and size == 8:   # (function symbol, value)
+                    v = struct.unpack_from("<I", cubin, p + 6)[0]
+                    if attr == 0x2F:
+                        res["regs"] = v
+                    else:
+                        res["stack"] = max(res["stack"], v)
+                p += 2 + size
+            elif fmt == 3:
+                p += 2
+            elif fmt == 2:
+                p += 1
+    return res
 
 
 def choose_cluster(batch: int, heads: int, pdl: bool = False) -> int:

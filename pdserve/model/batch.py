@@ -70,11 +70,14 @@ class DecodeBatch:
     """Row b feeds one token to a sequence whose `context[b]` tokens are cached (so the new token
     sits at position context[b]) in KDA slot `slots[b]` and latent pages `pages[b]` (token order,
     padded with page 0). Rows with `live` False are padding: they point at slot 0 / page 0, which
-    the pools never hand out, and the layers write no state for them."""
-    slots: torch.Tensor    # [B] int64
-    pages: torch.Tensor    # [B, max_pages] int64
-    context: torch.Tensor  # [B] int64
-    live: torch.Tensor     # [B] bool
+    the pools never hand out, and the layers write no state for them. `kda_slots` holds the same
+    slot ids as int32, built with the batch: the fused KDA op reads it before its PDL wait, so it
+    must not be converted by a kernel right before that op (see `KDAAttention.forward`)."""
+    slots: torch.Tensor      # [B] int64
+    pages: torch.Tensor      # [B, max_pages] int64
+    context: torch.Tensor    # [B] int64
+    live: torch.Tensor       # [B] bool
+    kda_slots: torch.Tensor  # [B] int32, = slots
 
     @property
     def num_rows(self) -> int:
@@ -103,9 +106,9 @@ class DecodeBatch:
         context = torch.tensor([t.num_tokens for t in tables] + [0] * pad, dtype=torch.long)
         live = torch.arange(rows) < len(tables)
         return DecodeBatch(slots.to(device), pages.to(device), context.to(device),
-                           live.to(device))
+                           live.to(device), slots.to(torch.int32).to(device))
 
     def copy_(self, other: DecodeBatch) -> None:
         """Overwrite these tensors in place (a captured graph's static inputs)."""
-        for name in ("slots", "pages", "context", "live"):
+        for name in ("slots", "pages", "context", "live", "kda_slots"):
             getattr(self, name).copy_(getattr(other, name))

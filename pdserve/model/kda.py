@@ -47,27 +47,57 @@ class KDAAttention(nn.Module):
             self.g_b_proj = Linear(D, proj, tp, "column", dtype)
         self.o_norm = _Norm(D)
         self.o_proj = Linear(proj, hidden, tp, "row", dtype)
+        self._conv_w, self._conv_w_key = None, None   # `conv_weight` cache (not a buffer)
 
     def conv_weight(self) -> torch.Tensor:
-        """[3*H_local*D, W], packed [q | k | v] like the conv state's channels."""
-        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        """[3*H_local*D, W] contiguous, packed [q | k | v] like the conv state's channels.
+
+        Cached: built once per load of the conv weights and rebuilt only when one of them is
+        replaced (`.to(device)`, a new Parameter) or changed in place (a checkpoint's `copy_`
+        bumps its version counter), so a decode step launches no kernel for it (the fused op's
+        PDL contract, see `forward`). The key is host-side metadata only: no sync, no kernel."""
+        ws = [c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        if self._conv_w_key != key:
+            with torch.no_grad():
+                packed = torch.cat([w[:, 0] for w in ws])
+                c = self._conv_w
+                if (c is not None and c.shape == packed.shape and c.dtype == packed.dtype
+                        and c.device == packed.device):
+                    c.copy_(packed)     # same address: a captured graph sees the new values
+                else:
+                    self._conv_w = packed
+            self._conv_w_key = key
+        return self._conv_w
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | DecodeBatch, pool: SlotPool,
                 layer: int, kda_step=None) -> torch.Tensor:
         """`kda_step`: an optional fused decode-step op (the decode runtime's backend dispatch,
-        signature of `pdserve.kernels.kda_decode`); it returns None to decline a step."""
+        signature of `pdserve.kernels.kda_decode`); it returns None to decline a step.
+
+        PDL contract (enforced here): the fused op may be launched with programmatic dependent
+        launch (the registry's "cutedsl" entry is), and then reads slot_idx, both pools and the
+        parameters (conv weight, A_log, dt_bias, norm weight) *before* waiting for the kernel
+        just before it in the stream. So nothing that op reads early may be produced right
+        before it: the packed conv weight is cached across steps (`conv_weight`, and fetched
+        before the projections so even a rebuild is several kernels back), the int32 slot ids
+        come ready-made with the batch (`DecodeBatch.kda_slots`, built with the batch, copied
+        into a captured graph's static inputs before replay), the rest are views of parameters
+        and pools. The kernel right before the op is the last projection, whose output (like
+        every projected row) is read only after the wait."""
         T, H, D = x.shape[0], self.heads, self.head_dim
+        conv_w = self.conv_weight()
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         f_raw = self.f_b_proj(self.f_a_proj(x))
         beta_raw = self.b_proj(x)
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        conv_w = self.conv_weight()
         decode = isinstance(batch, DecodeBatch)
         if kda_step is not None and decode:
-            # padding rows carry slot 0, which the op leaves untouched
+            # padding rows carry slot 0, which the op leaves untouched; no kernel may run
+            # between the gate projection above and the op (see the PDL contract above)
             out = kda_step(q, k, v, gate, f_raw, beta_raw, conv_w, self.A_log.view(H),
                            self.dt_bias, self.o_norm.weight, self.eps, self.lower_bound,
-                           pool.recurrent[layer], pool.conv[layer], batch.slots.to(torch.int32),
+                           pool.recurrent[layer], pool.conv[layer], batch.kda_slots,
                            pool.layout)
             if out is not None:
                 return self.o_proj(out.to(x.dtype))

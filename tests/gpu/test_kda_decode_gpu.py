@@ -207,3 +207,44 @@ def test_registry_picks_cutedsl_on_hopper():
         assert res.backend == "cutedsl", res.fallback_reason
     else:
         assert res.backend == "reference"
+
+
+def test_runtime_pdl_step_in_a_cuda_graph_matches_eager():
+    """The decode runtime's fused step (registry "cutedsl" entry: PDL launch right after the gate
+    projection, cached conv weight, int32 slots from the batch) replayed from a CUDA graph gives
+    the eager fused step's logits and state, from the same starting state."""
+    from pdserve.kernels.kda_decode import RUNTIME_PDL
+
+    from pdserve.decode.graphs import DecodeGraphs
+    from pdserve.decode.rank import kda_step_for
+    from pdserve.model.config import preset, preset_dict
+    from pdserve.model.generate import ReferenceEngine, build_model
+    from pdserve.model.sampling import Request, SamplingParams
+    from pdserve.state.layout import StateLayout
+
+    assert RUNTIME_PDL
+    la = {**preset_dict("tiny")["linear_attn_config"], "num_heads": 12, "head_dim": 128,
+          "gate_lower_bound": -5.0}
+    model = build_model(preset("tiny", hidden_size=256, linear_attn_config=la),
+                        dtype=torch.bfloat16, seed=3).cuda()
+    layout = StateLayout(latent_dtype="bfloat16", conv_dtype="bfloat16")
+    eng = ReferenceEngine(model, layout, num_pages=32, num_slots=8)
+    seqs = [eng.admit(Request(f"r{i}", list(p), SamplingParams(max_tokens=8)))
+            for i, p in enumerate([b"abc", b"hello world", b"x" * 40])]
+    eng.prefill(seqs)
+    tables, tokens = [s.table for s in seqs], [5, 77, 200]
+    step = kda_step_for("cutedsl")
+    start = {k: v.clone() for k, v in eng.pools.regions().items()}
+    graphs = DecodeGraphs(model, eng.pools, max_tokens=64, buckets=(4,), kda_step=step)
+    got = graphs.run(tables, tokens)
+    got_state = eng.pools.slots.recurrent.clone()
+    for k, v in eng.pools.regions().items():
+        v.copy_(start[k])
+    from pdserve.model.batch import ForwardBatch
+    batch = ForwardBatch.of(tables, [1] * 3)
+    want = model(torch.tensor(tokens, device="cuda"), batch, eng.pools,
+                 logit_rows=batch.last_rows(), kda_step=step)
+    assert all(f[1] != "cutedsl" for f in registry.fallbacks()), registry.fallbacks()
+    assert rel(got, want) <= 1e-2
+    s = [t.kda_slot for t in tables]
+    assert rel(got_state[:, s], eng.pools.slots.recurrent[:, s]) <= STATE_TOL
