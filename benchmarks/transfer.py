@@ -54,16 +54,23 @@ CASES = [("p1-d1", 1, Topology(1), True), ("p2-d1", 2, Topology(1), True),
 REPLY_S = 120  # every wait on a rank process has a deadline
 
 
-def _pools(tp: int, pages: int, device: str, decode_topology: Topology | None = None) -> StatePools:
-    # 3 slots: padding, the request's and (destination, p > d) its conv staging slot
-    return StatePools(RankShapes.of(preset(MODEL)).at_tp(tp), StateLayout(), pages, 3, device,
+def dest_layout(p: int, d: int) -> StateLayout:
+    """As `pdserve serve` lays out decode pools (ServeConfig.decode_layout): the conv staging
+    slot is d / p wide, so conv moves as whole source slots whenever p != d."""
+    return StateLayout(conv_staging_width=max(1, d // p))
+
+
+def _pools(tp: int, pages: int, device: str, layout: StateLayout = StateLayout(),
+           decode_topology: Topology | None = None) -> StatePools:
+    # 3 slots: padding, the request's and (destination, p != d) its conv staging slot
+    return StatePools(RankShapes.of(preset(MODEL)).at_tp(tp), layout, pages, 3, device,
                       conv_staging=True, decode_topology=decode_topology)
 
 
 def source_main(conn, instance: str, rank: int, p: int, n: int, pages: int, device: str,
                 decode_topology: Topology | None):
     torch.set_num_threads(1)
-    pools = _pools(p, pages, device, decode_topology)
+    pools = _pools(p, pages, device, decode_topology=decode_topology)
     page_ids, slot = pools.latent.allocate(pages - 1), pools.slots.allocate(1)[0]
     for t in pools.regions().values():  # non-zero state (the zeroed-state check is always on)
         t.fill_(0.5)
@@ -88,9 +95,10 @@ def source_main(conn, instance: str, rank: int, p: int, n: int, pages: int, devi
         src.poll()
 
 
-def dest_main(conn, instance: str, rank: int, topo: Topology, pages: int, device: str):
+def dest_main(conn, instance: str, rank: int, topo: Topology, layout: StateLayout, pages: int,
+              device: str):
     torch.set_num_threads(1)
-    pools = _pools(topo.tp, pages, device)
+    pools = _pools(topo.tp, pages, device, layout)
     dst = DestRank(RankAgent(instance, rank, 0, RegionTable.of_pools(pools), device), pools,
                    TransferConfig(base_deadline_s=30))
     conn.send(dst.agent.info())
@@ -134,6 +142,7 @@ class CaseRun:
 
     def __init__(self, name: str, p: int, topo: Topology, placed: bool, n: int, device: str):
         self.name, self.p, self.topo, self.placed, self.n = name, p, topo, placed, n
+        self.dst_layout = dest_layout(p, topo.tp)
         ctx = mp.get_context("spawn")
         pages = -(-n // StateLayout().page_tokens) + 2
         self.procs, self.src_conns, self.dst_conns = [], [], []
@@ -145,7 +154,8 @@ class CaseRun:
         for r in range(topo.tp):
             a, b = ctx.Pipe()
             self.procs.append(ctx.Process(target=dest_main,
-                                          args=(b, f"d-{name}", r, topo, pages, device)))
+                                          args=(b, f"d-{name}", r, topo, self.dst_layout, pages,
+                                                device)))
             self.dst_conns.append(a)
 
     def __enter__(self):
@@ -173,7 +183,7 @@ class CaseRun:
         for c in self.src_conns:
             _ask(c, "hold")
         parts = [_ask(c, "allocate", self.manifest) for c in self.dst_conns]
-        alloc = DestAllocation(self.topo, StateLayout(), *map(list, zip(*parts)))
+        alloc = DestAllocation(self.topo, self.dst_layout, *map(list, zip(*parts)))
         t0 = time.perf_counter()
         for c in self.dst_conns:
             c.send(("receive", self.manifest, alloc, f"p-{self.name}"))
@@ -278,7 +288,8 @@ def main() -> None:
     where = "DRAM" if args.device == "cpu" else "VRAM"
     name = "transfer_cpu" if args.device == "cpu" else "transfer_h200"
     path = write_result(name, {
-        "model": MODEL, "layout": "bf16 latent/conv, fp32 recurrent, 64-token pages",
+        "model": MODEL, "layout": "bf16 latent/conv, fp32 recurrent, 64-token pages; destination conv "
+                  "staging d/p wide (whole source conv slots when p != d, as pdserve serve)",
         "transport": f"NIXL UCX, {where}, one process per rank",
         "memcpy": "CPU: libc memcpy of the same bytes on one thread (the fraction's denominator; "
                   "UCX moves DRAM with one thread per destination rank); GPU: a device copy",

@@ -135,10 +135,14 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def device(self) -> str:
         return "cuda" if self.resources.gpus_per_rank > 0 else "cpu"
 
-    def layout(self, conv_layout: str) -> StateLayout:
+    def layout(self, conv_layout: str, staging_width: int = 1) -> StateLayout:
         s = self.state
         return StateLayout(s.page_tokens, s.latent_dtype, s.recurrent_dtype, s.conv_dtype,
-                           conv_layout)
+                           conv_layout, staging_width)
+
+    def decode_layout(self) -> StateLayout:
+        """Decode ranks stage whole prefill conv slots (planner.conv_staging): d / p wide."""
+        return self.layout(self.decode.conv_layout, max(1, self.decode.tp // self.prefill.tp))
 
     def model_config(self) -> ModelConfig:
         return load_model_config(self.model.name)

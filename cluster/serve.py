@@ -110,7 +110,7 @@ def decode_kwargs(cfg: ServeConfig) -> dict:
     """A decode rank's settings from the config (beside the model's `common` ones)."""
     transfer = TransferConfig(cfg.transfer.deadline_s, cfg.transfer.expected_gbps,
                               cfg.transfer.verify, cfg.transfer.lease_s)
-    return dict(layout=cfg.layout(cfg.decode.conv_layout), num_pages=cfg.decode.num_pages,
+    return dict(layout=cfg.decode_layout(), num_pages=cfg.decode.num_pages,
                 num_slots=cfg.decode.num_slots, backend=cfg.decode.backend, transfer=transfer,
                 cuda_graphs=cfg.decode.cuda_graphs)
 
@@ -133,7 +133,7 @@ def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Inst
     eos = _eos(model)
     slots = []
     for d in decode:
-        engine = DecodeInstance(d.name, d.ranks, cfg.layout(cfg.decode.conv_layout), eos,
+        engine = DecodeInstance(d.name, d.ranks, cfg.decode_layout(), eos,
                                 Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave),
                                 digests if cfg.transfer.verify else None)
         slots.append(DecodeSlot(d, engine, min(cfg.decode.max_batch, cfg.decode.num_slots - 1),

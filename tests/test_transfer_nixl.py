@@ -30,7 +30,7 @@ class Cluster:
         dst_layout = dst_layout or src_layout
         self.state = as_dtype(make_state(shapes1, n, seed=3), src_layout)
         self.src_pools, self.manifest = source(shapes1, p, src_layout, self.state, n, checkpoint)
-        staging = conv_staging(self.manifest, topo, dst_layout) > 0
+        staging = bool(conv_staging(self.manifest, topo, dst_layout))
         self.actual, self.expected, self.alloc = dest_side(shapes1, topo, dst_layout, n,
                                                            1 + checkpoint, staging)
         self.released = []
@@ -305,3 +305,13 @@ def test_split_runs_count_as_the_descriptors_nixl_posts():
             assert torch.equal(got, want) and want.any()
     finally:
         c.close()
+
+
+def test_registrations_merge_layers_of_one_kind_but_never_two_kinds():
+    """Two pools can be adjacent in virtual memory yet be separate allocations; CUDA IPC maps
+    only the allocation holding a registration's first byte, so a span across kinds broke every
+    VRAM read on the H200 (cuMemcpyDtoDAsync: invalid argument)."""
+    from pdserve.transfer.nixl_agent import _merge
+    spans = {"mla_latent": [(1000, 100), (1100, 100)], "kda_recurrent": [(1200, 50), (1250, 50)],
+             "kda_conv": [(5000, 10)]}
+    assert _merge(spans) == [(1000, 200), (1200, 100), (5000, 10)]

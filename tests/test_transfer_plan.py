@@ -2,6 +2,7 @@
 leaves each destination rank's pools exactly as a prefill in the destination topology would."""
 import itertools
 
+import msgspec
 import pytest
 import torch
 
@@ -23,14 +24,14 @@ KIMI = RankShapes(n_mla=1, n_kda=2, latent_width=576, kda_heads=32, head_dim=128
 
 
 def run_case(shapes1, p, d, c, interleave=1, src_layout=StateLayout(latent_dtype="float32"),
-             dst_layout=None, n=150, checkpoint=False, damage=None):
-    dst_layout = dst_layout or src_layout
+             dst_layout=None, n=150, checkpoint=False, damage=None, staging_width=1):
+    dst_layout = msgspec.structs.replace(dst_layout or src_layout, conv_staging_width=staging_width)
     state = as_dtype(make_state(shapes1, n, seed=p * 100 + d * 10 + c), src_layout)
     if damage:
         damage(state)
     src_pools, manifest = source_side(shapes1, p, src_layout, state, n, checkpoint)
     topo = Topology(tp=d, dcp=c, interleave=interleave)
-    staging = conv_staging(manifest, topo, dst_layout) > 0
+    staging = bool(conv_staging(manifest, topo, dst_layout))
     actual, expected, alloc = dest_side(shapes1, topo, dst_layout, n, 1 + checkpoint, staging)
     plan = plan_transfer(manifest, alloc)
     copy_reads(plan.reads, [RegionTable.of_pools(x) for x in src_pools],
@@ -49,9 +50,15 @@ TOPOLOGIES = [(sh, p, d, c) for sh, heads in (("tiny", (1, 2, 4)), ("kimi", (1, 
               for p, d in itertools.product(heads, heads) for c in sorted({1, d})]
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["staging1", "staging-d/p"])
 @pytest.mark.parametrize("shapes,p,d,c", TOPOLOGIES, ids=[f"{s}-p{p}-d{d}-c{c}" for s, p, d, c in TOPOLOGIES])
-def test_every_topology_moves_exact_bytes(shapes, p, d, c):
-    plan, m = run_case(TINY if shapes == "tiny" else KIMI, p, d, c, interleave=16 if c > 1 else 1)
+def test_every_topology_moves_exact_bytes(shapes, p, d, c, wide):
+    """With a d/p wide conv staging slot (as `pdserve serve` sets it) conv moves as whole
+    source slots whenever p != d; with the default width only when p > d."""
+    plan, m = run_case(TINY if shapes == "tiny" else KIMI, p, d, c, interleave=16 if c > 1 else 1,
+                       staging_width=max(1, d // p) if wide else 1)
+    conv = [r for r in plan.reads if r.kind == "kda_conv"]
+    assert all(r.staged == (p > d or (wide and p < d)) for r in conv)
     # MLA is read once per destination rank, spread over source replicas
     srcs = {(r.dst_rank, r.src_rank) for r in plan.reads if r.kind == "mla_latent"}
     assert srcs == {(r, r % p) for r in range(d)}
@@ -84,6 +91,20 @@ def test_p_above_d_reads_whole_source_conv_slots_into_staging(src_conv, dst_conv
     assert len(conv) == 2 * KIMI.n_kda * 2 * 2
     assert all(r.staged and r.length == m.sizes.conv_slot for r in conv)
     assert {(r.dst_rank, r.src_rank) for r in conv} == {(0, 0), (0, 1), (1, 2), (1, 3)}
+
+
+@pytest.mark.parametrize("src_conv,dst_conv", [("SD", "SD"), ("DS", "SD"), ("SD", "DS")])
+def test_p_below_d_reads_whole_source_conv_slots_into_wide_staging(src_conv, dst_conv):
+    plan, m = run_case(KIMI, 1, 4, 4, interleave=64, checkpoint=True, staging_width=4,
+                       src_layout=StateLayout(latent_dtype="float32", conv_layout=src_conv),
+                       dst_layout=StateLayout(latent_dtype="float32", conv_layout=dst_conv))
+    conv = [r for r in plan.reads if r.kind == "kda_conv"]
+    # per destination rank and KDA layer: one read of the source's whole running and checkpoint
+    # slots (adjacent on both sides: one run), instead of one per section (and tap, SD)
+    assert len(conv) == 4 * KIMI.n_kda
+    assert all(r.staged and r.length == 2 * m.sizes.conv_slot and r.src_rank == 0 for r in conv)
+    narrow, _ = run_case(KIMI, 1, 4, 4, interleave=64, checkpoint=True, staging_width=2)
+    assert sum(r.kind == "kda_conv" for r in narrow.reads) > len(conv)
 
 
 def test_checkpoints_move_with_the_running_slot_and_runs_coalesce():
@@ -169,7 +190,7 @@ def test_strided_source_with_per_layer_slots_moves_the_same_bytes(p, d, c, conv)
                                      sizes.conv_slot + pads["kda_conv"]),
         kda_layer_slots=[dense.kda_slot + layer * shift for layer in range(TINY.n_kda)])
     topo = Topology(tp=d, dcp=c, interleave=8 if c > 1 else 1)
-    staging = conv_staging(dense, topo, layout) > 0
+    staging = bool(conv_staging(dense, topo, layout))
     actual, expected, alloc = dest_side(TINY, topo, layout, n, 1, staging)
     reference, _, _ = dest_side(TINY, topo, layout, n, 1, staging)
     plan = plan_transfer(strided, alloc)

@@ -7,7 +7,7 @@ from pdserve.state.manifest import StateManifest
 from pdserve.state.pools import StatePools
 
 from pdserve.transfer.errors import IntegrityError
-from pdserve.transfer.planner import DestAllocation, TransferPlan, conv_staging
+from pdserve.transfer.planner import DestAllocation, TransferPlan, conv_staging, staged_parts
 
 
 def finish_arrival(pools: StatePools, manifest: StateManifest, alloc: DestAllocation,
@@ -20,10 +20,10 @@ def finish_arrival(pools: StatePools, manifest: StateManifest, alloc: DestAlloca
     pages, pt = alloc.latent_pages[rank], pools.latent.page_tokens
     for pos in range(local, end):
         pools.latent.data[:, pages[pos // pt], pos % pt] = 0
-    parts = conv_staging(manifest, topo, alloc.layout)
-    if parts:
+    if conv_staging(manifest, topo, alloc.layout):
+        part_channels, picks = staged_parts(manifest, topo, alloc.layout, rank)
         for staging, slot in zip(alloc.staging_slots[rank], alloc.slots[rank]):
-            pools.slots.unstage(staging, slot, manifest.layout.conv_layout, parts)
+            pools.slots.unstage(staging, slot, manifest.layout.conv_layout, part_channels, picks)
     if manifest.num_tokens > 0 and manifest.shapes.n_kda:
         zeroed = zeroed_layers(pools.slots.recurrent[:, alloc.slots[rank][0]])
         if zeroed:

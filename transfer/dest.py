@@ -49,7 +49,7 @@ class DestRank:
         n = topology.local_count(self.rank if topology.dcp > 1 else 0,
                                  manifest.num_tokens + extra_tokens)
         n_slots = 1 + len(manifest.checkpoints)
-        staging = staging or conv_staging(manifest, topology, self.pools.layout) > 0
+        staging = staging or bool(conv_staging(manifest, topology, self.pools.layout))
         need = self.pools.latent.pages_for(max(n, 1))
         pages = self.pools.latent.allocate(need)
         try:

@@ -7,12 +7,13 @@ on DCP rank (t // interleave) % c) may differ in TP, page size and conv layout:
   from one source replica (rank r reads from source r % p, spreading load over replicas).
 - KDA recurrent state [H_local, V, K] is sharded by head: destination heads [r*Hd, (r+1)*Hd)
   intersected with each source rank's heads give byte ranges, in both directions (p < d, p > d).
-- KDA conv state is packed [q | k | v] per rank, so each section is resharded separately. When
-  the layouts differ (SD vs DS), reads land in a staging slot in the source layout and the
-  destination converts on arrival. When p > d, each destination rank needs whole source slots
-  but in another channel order (one small read per tap and section: 360 reads of 4 KB per request
-  at kimi shapes, 2 -> 1); so each source slot is read whole into the staging slot and the
-  destination reorders on arrival (`conv_staging`).
+- KDA conv state is packed [q | k | v] per rank, so resharding it in place takes one small read
+  per section (and per tap in the SD layout): 360 reads of 4 KB per request at kimi shapes,
+  1 -> 2 or 2 -> 1, each a syscall on DRAM or a ~9 us CUDA-IPC copy on VRAM. So when p != d
+  and the destination's staging slot is wide enough, each overlapping source slot is read whole
+  (one read per layer) into the staging slot and arrival picks and reorders the channels; when
+  only the layouts differ (SD vs DS) the per-section reads land in the staging slot and arrival
+  converts (`conv_staging`).
 
 All offsets are bytes within one layer's region of a rank (`Read.kind`, `Read.layer`). Every read
 starts on a multiple of its kind's `unit` (the largest chunk that never straddles a page, a DCP
@@ -111,16 +112,30 @@ def check_topology(src: RankShapes, src_topo: Topology, dst_topo: Topology) -> N
         raise TopologyError(f"{where}: DCP c must be 1 or d={d}")
 
 
-def conv_staging(manifest: StateManifest, dst_topo: Topology, dst_layout: StateLayout) -> int:
-    """How conv state reaches a destination rank: 0 = in place; k > 0 = into a staging slot
-    holding k consecutive parts, each packed [q | k | v] in the source layout, which arrival
-    reorders and converts (`SlotPool.unstage`). k = p / d when p > d and d divides p: every source
-    rank's heads then lie within one destination rank, whose parts are whole source slots (one
-    read each); else 1 when the layouts differ (one part: the destination's channels)."""
-    p, d = manifest.topology.tp, dst_topo.tp
-    if p > d and p % d == 0:
-        return p // d
-    return int(manifest.layout.conv_layout != dst_layout.conv_layout)
+def conv_staging(manifest: StateManifest, dst_topo: Topology, dst_layout: StateLayout) -> str:
+    """How conv state reaches the destination ranks:
+    "whole": p != d and every destination rank's overlapping source slots fit its staging slot
+        (`StateLayout.conv_staging_width`): each is read whole, arrival picks the channels;
+    "sections": per-section reads into the staging slot (only the layouts differ: arrival
+        converts); "" : per-section reads straight into the slot."""
+    src, p, d = manifest.shapes, manifest.topology.tp, dst_topo.tp
+    if p != d:
+        dst = src.at_tp(d)
+        widest = max(len(list(_head_overlaps(src, dst, r))) for r in range(d))
+        if widest * src.conv_channels <= dst_layout.conv_staging_width * dst.conv_channels:
+            return "whole"
+    return "sections" if manifest.layout.conv_layout != dst_layout.conv_layout else ""
+
+
+def staged_parts(manifest: StateManifest, dst_topo: Topology, dst_layout: StateLayout,
+                 r: int) -> tuple[int, list[tuple[int, int]]]:
+    """What destination rank r's staging slot holds, for `SlotPool.unstage`: (channels per
+    part, [(first channel, count) taken from each section of part j])."""
+    src, dst = manifest.shapes, manifest.shapes.at_tp(dst_topo.tp)
+    if conv_staging(manifest, dst_topo, dst_layout) == "whole":
+        return src.conv_channels, [((a - s * src.kda_heads) * src.head_dim, (b - a) * src.head_dim)
+                                   for s, a, b in _head_overlaps(src, dst, r)]
+    return dst.conv_channels, [(0, dst.conv_section)]
 
 
 def plan_transfer(manifest: StateManifest, dst: DestAllocation,
@@ -140,8 +155,8 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
         if len(dst.slots[r]) != n_slots:
             raise ValueError(f"destination rank {r}: {len(dst.slots[r])} slots allocated, the "
                              f"manifest moves {n_slots} (running + checkpoints)")
-    parts = conv_staging(manifest, dst_topo, dst.layout)
-    if parts and any(r >= len(dst.staging_slots) or len(dst.staging_slots[r]) != n_slots
+    staging = conv_staging(manifest, dst_topo, dst.layout)
+    if staging and any(r >= len(dst.staging_slots) or len(dst.staging_slots[r]) != n_slots
                      for r in ranks):
         raise ValueError(f"conv state is staged (layouts {manifest.layout.conv_layout} -> "
                          f"{dst.layout.conv_layout}, p={p} -> d={d}): every destination rank "
@@ -154,12 +169,13 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
         latent.append(_latent_table(manifest, dst, r, units["mla_latent"]))
         src_slots = [manifest.kda_slot] + [s for _, s in manifest.checkpoints]
         for i, (ss, ds) in enumerate(zip(src_slots, dst.slots[r])):
-            conv_dst = dst.staging_slots[r][i] if parts else ds
+            conv_dst = dst.staging_slots[r][i] if staging else ds
             # one source slot in every layer, or (vLLM) the running slot per layer
             per_layer = manifest.kda_layer_slots or [ss] * src.n_kda
             reads += _stamp_layers(
                 per_layer, lambda s: _recurrent_reads(manifest, src, dshape, r, s, ds)
-                + _conv_reads(manifest, src, dshape, r, s, conv_dst, parts))
+                + _conv_reads(manifest, src, dshape, r, s, conv_dst, staging,
+                              dst.layout.conv_staging_width))
     # KDA runs coalesce across slots (running + checkpoints) of one layer
     table = np.concatenate(latent + [as_table(coalesce(reads))])
     return TransferPlan(table, units, p, d)
@@ -245,15 +261,15 @@ def _recurrent_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int,
 
 
 def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_slot: int,
-                parts: int) -> list[Read]:
-    """Layer-0 conv reads in the SOURCE layout (into the staging slot when `parts`, see
+                staging: str, width: int) -> list[Read]:
+    """Layer-0 conv reads in the SOURCE layout (into the staging slot when `staging`, see
     `conv_staging`)."""
     isz, D, taps = dtype_of(m.layout.conv_dtype).itemsize, src.head_dim, src.conv_taps
     cs, cd = src.conv_channels, dst.conv_channels
     stride = m.source_strides().conv_slot
-    base = dst_slot * cd * taps * isz
+    base = dst_slot * cd * taps * isz * (width if staging else 1)
     overlaps = list(_head_overlaps(src, dst, r))
-    if parts > 1:  # whole source slots, in source-rank order
+    if staging == "whole":  # whole source slots, in source-rank order
         return [Read(s, r, "kda_conv", 0, src_slot * stride, base + j * cs * taps * isz,
                      cs * taps * isz, True) for j, (s, _, _) in enumerate(overlaps)]
     out = []
@@ -267,7 +283,7 @@ def _conv_reads(m, src: RankShapes, dst: RankShapes, r: int, src_slot: int, dst_
             else:                             # (taps, channels): one run per tap
                 spans = [(t * cs + ch_s, t * cd + ch_d, n) for t in range(taps)]
             out += [Read(s, r, "kda_conv", 0, src_slot * stride + so * isz, base + do * isz,
-                         length * isz, bool(parts)) for so, do, length in spans]
+                         length * isz, bool(staging)) for so, do, length in spans]
     return out
 
 

@@ -40,10 +40,16 @@ class StateLayout(msgspec.Struct, frozen=True):
     recurrent_dtype: str = "float32"
     conv_dtype: str = "bfloat16"
     conv_layout: ConvLayout = "SD"
+    # Destination pools only: the conv staging slot holds this many times the rank's own conv
+    # channels. A decode rank of TP d set to d / p takes whole conv slots from a prefill of TP p
+    # (one read per layer instead of one per q/k/v section and tap); see planner.conv_staging.
+    conv_staging_width: int = 1
 
     def __post_init__(self) -> None:
         if self.page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+        if self.conv_staging_width < 1:
+            raise ValueError(f"conv_staging_width must be >= 1, got {self.conv_staging_width}")
         for field in ("latent_dtype", "recurrent_dtype", "conv_dtype"):
             dtype_of(getattr(self, field))
         if self.conv_layout not in ("SD", "DS"):

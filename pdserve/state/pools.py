@@ -176,10 +176,11 @@ class SlotPool(_IdPool):
         conv_shape = (n, num_slots, taps, c) if self.layout == "SD" else (n, num_slots, c, taps)
         self.conv = host_memory.zeros(conv_shape, dtype_of(layout.conv_dtype), device)
         # Conv state as a transfer's source laid it out (the other layout, or whole slots of
-        # several source ranks): reads land here (in a slot taken from the same free list) and
-        # `unstage` reorders and converts it into `conv`.
-        self.conv_staging = (host_memory.zeros(conv_shape[:2] + conv_shape[:1:-1], self.conv.dtype,
-                                               device) if conv_staging else None)
+        # source ranks): reads land here (in a slot taken from the same free list) and `unstage`
+        # reorders and converts it into `conv`. Flat per slot: layout.conv_staging_width times
+        # this rank's conv state.
+        self.conv_staging = (host_memory.zeros((n, num_slots, layout.conv_staging_width * c * taps),
+                                               self.conv.dtype, device) if conv_staging else None)
         self._ids = _FreeList(num_slots, "KDA slot")
 
     def allocate(self, count: int = 1) -> list[int]:
@@ -197,20 +198,27 @@ class SlotPool(_IdPool):
         self.recurrent[:, dst] = self.recurrent[:, src]
         self.conv[:, dst] = self.conv[:, src]
 
-    def unstage(self, staging_slot: int, slot: int, src_layout: str, parts: int = 1) -> None:
+    def unstage(self, staging_slot: int, slot: int, src_layout: str, part_channels: int,
+                picks: list[tuple[int, int]]) -> None:
         """Move the conv state in `staging_slot` into `slot` (every layer). The staging slot
-        holds `parts` consecutive parts in `src_layout`, each packed [q | k | v] with 1/parts of
-        each section's channels; part j's channels come j-th within each section of `slot`."""
+        holds len(picks) consecutive parts in `src_layout`, each packed [q | k | v] with
+        `part_channels` channels; from part j, channels [lo_j, lo_j + n_j) of each section go,
+        in part order, into that section of `slot`."""
         if self.conv_staging is None:
             raise RuntimeError("this SlotPool was built without conv_staging")
         n, taps = self.conv.shape[0], self.conv_taps
-        per_part = self.conv_channels // parts
-        shape = (taps, per_part) if src_layout == "SD" else (per_part, taps)
-        staged = conv_to_sd(self.conv_staging[:, staging_slot].reshape(n, parts, *shape), src_layout)
-        # one strided copy (views on both sides): [n, parts, taps, 3, section / parts] into the
-        # slot seen as [n, taps, 3, parts, section / parts]
-        conv_to_sd(self.conv[:, slot], self.layout).unflatten(-1, (3, parts, -1)).copy_(
-            staged.unflatten(-1, (3, -1)).permute(0, 2, 3, 1, 4))
+        shape = (taps, part_channels) if src_layout == "SD" else (part_channels, taps)
+        used = len(picks) * part_channels * taps
+        staged = conv_to_sd(self.conv_staging[:, staging_slot, :used].reshape(n, len(picks), *shape),
+                            src_layout).unflatten(-1, (3, -1))   # [n, parts, taps, 3, section]
+        dst = conv_to_sd(self.conv[:, slot], self.layout).unflatten(-1, (3, -1))
+        at = 0
+        for j, (lo, count) in enumerate(picks):
+            dst[..., at:at + count].copy_(staged[:, j, ..., lo:lo + count])
+            at += count
+        if at != dst.shape[-1]:
+            raise ValueError(f"staged parts give {at} channels per section, the slot has "
+                             f"{dst.shape[-1]}")
 
     # access (layer = index among KDA layers)
     def read(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
