@@ -14,3 +14,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or f"{os.sep}gpu{os.sep}" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray for one test module (started here only if none is running)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()

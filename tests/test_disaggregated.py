@@ -88,16 +88,6 @@ def test_disaggregated_tokens_equal_monolithic(name):
         pair.close()
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.parametrize("name", ["tiny", "kimi-linear-reduced"])
 @pytest.mark.parametrize("p,d", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_resharded_tokens_equal_monolithic(ray_session, p, d, name):

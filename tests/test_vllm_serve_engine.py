@@ -117,16 +117,6 @@ def generate_all(router, prompts, max_tokens, tag):
     return asyncio.run(main())
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def test_engine_actors_serve_the_monolithic_tokens_and_fail_over(ray_session):
     cfg, model = config(prefill_instances=2)
     want = monolithic(PROMPTS, TOKENS)

@@ -42,8 +42,8 @@ from pdserve.model.weights import export_checkpoint
 from pdserve.prefill.child import Child, serve_child
 from vllm_fixtures import (CHILD_ENV, GPU_MEM, MAX_MODEL_LEN, NUM_GPU_BLOCKS, SEED, TIE,  # noqa: F401
                            TINY_LENGTHS, TINY_TOKENS, TINY_VLLM, VLLM_MARKS, dense_logprobs,
-                           first_divergence, make_prompts, reference_kwargs, reference_main,
-                           top2_margin)
+                           divergence_failure, first_divergence, make_prompts, reference_kwargs,
+                           reference_main, top2_margin)
 
 START_S = 600             # vLLM start-up (import, weights, profiling) per engine
 CALL_S = 180              # any other command
@@ -275,15 +275,8 @@ class TestTiny:
             failures = []
             for n, (got, _), (w, dense, margins) in zip(TINY_LENGTHS, runs["free"][1], want):
                 print(f"  {n:4d} tokens: vLLM    {w}\n              pdserve {got}", flush=True)
-                i = first_divergence(got, w)
-                if i is not None:
-                    # vLLM's margin there tells a near-tie (numerics) from a real error
-                    gap = max(dense[i]) - dense[i][got[i]]
-                    print(f"        diverges at {i}: vLLM's top-2 margin {margins[i]:.4f}, "
-                          f"pdserve's pick {gap:.4f} below vLLM's top", flush=True)
-                    if gap > TIE:
-                        failures.append(f"free-running {n}-token prompt diverges at token {i} "
-                                        f"with pdserve's pick {gap:.4f} below vLLM's top (> {TIE})")
+                if msg := divergence_failure(n, got, w, dense, margins):
+                    failures.append(f"free-running {msg}")
             for n, (_, logits), (w, dense, _) in zip(TINY_LENGTHS, runs["forced"][1], want):
                 exact, worst_gap, errs = 0, 0.0, []
                 for j, row in enumerate(logits):

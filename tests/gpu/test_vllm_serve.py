@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 
 from pdserve.prefill.child import Child, serve_child
-from vllm_fixtures import (CHILD_ENV, GPU_MEM, MAX_MODEL_LEN, NUM_GPU_BLOCKS, TIE, TINY_LENGTHS,
-                           TINY_TOKENS, VLLM_MARKS, first_divergence, make_prompts,
+from vllm_fixtures import (CHILD_ENV, GPU_MEM, MAX_MODEL_LEN, NUM_GPU_BLOCKS, TINY_LENGTHS,
+                           TINY_TOKENS, VLLM_MARKS, divergence_failure, make_prompts,
                            reference_kwargs, reference_main)
 
 pytestmark = VLLM_MARKS
@@ -149,14 +149,8 @@ def test_served_greedy_tokens_equal_vllm_monolithic(tiny_dir, tmp_path):
                 failures.append(f"{n}-token prompt: first token {got[0]} != vLLM's {w[0]} (both "
                                 "from vLLM: the prefill path is wrong)")
                 continue
-            i = first_divergence(got, w)
-            if i is not None:
-                gap = max(dense[i]) - dense[i][got[i]]
-                print(f"        diverges at {i}: vLLM's top-2 margin {margins[i]:.4f}, the "
-                      f"served pick {gap:.4f} below vLLM's top", flush=True)
-                if gap > TIE:
-                    failures.append(f"{n}-token prompt diverges at token {i} with the served "
-                                    f"pick {gap:.4f} below vLLM's top (> {TIE})")
+            if msg := divergence_failure(n, got, w, dense, margins, who="the served"):
+                failures.append(msg)
         assert not failures, "; ".join(failures)
         stats = srv.call("stats")
         print(f"[serve] router stats {stats}", flush=True)

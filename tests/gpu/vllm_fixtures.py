@@ -67,6 +67,22 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def divergence_failure(n: int, got: list[int], want: list[int], dense, margins,
+                       who: str = "pdserve's") -> str | None:
+    """Print where greedy `got` leaves vLLM's `want` (n-token prompt); a failure message unless
+    `who` pick there is within TIE of vLLM's top (a bf16 near-tie, numerics, not an error)."""
+    i = first_divergence(got, want)
+    if i is None:
+        return None
+    gap = max(dense[i]) - dense[i][got[i]]
+    print(f"        diverges at {i}: vLLM's top-2 margin {margins[i]:.4f}, {who} pick {gap:.4f} "
+          "below vLLM's top", flush=True)
+    if gap > TIE:
+        return (f"{n}-token prompt diverges at token {i} with {who} pick {gap:.4f} below "
+                f"vLLM's top (> {TIE})")
+    return None
+
+
 # == vLLM's own generation ========================================================================
 def reference_main(conn, model_dir: str, llm_kwargs: dict, env: dict) -> None:
     """Plain `vllm.LLM` (no connector): vLLM's own monolithic generation."""
