@@ -39,7 +39,7 @@ from pdserve.state.manifest import StateManifest, build_manifest
 from pdserve.state.pools import StatePools
 from pdserve.transfer.dest import DestRank, TransferConfig
 from pdserve.transfer.nixl_agent import RankAgent
-from pdserve.transfer.planner import DestAllocation
+from pdserve.transfer.planner import DestAllocation, whole_slot_width
 from pdserve.transfer.regions import RegionTable
 from pdserve.transfer.source import SourceRank
 
@@ -56,8 +56,8 @@ REPLY_S = 120  # every wait on a rank process has a deadline
 
 def dest_layout(p: int, d: int) -> StateLayout:
     """As `pdserve serve` lays out decode pools (ServeConfig.decode_layout): the conv staging
-    slot is d / p wide, so conv moves as whole source slots whenever p != d."""
-    return StateLayout(conv_staging_width=max(1, d // p))
+    slot is wide enough that conv moves as whole source slots whenever p != d."""
+    return StateLayout(conv_staging_width=whole_slot_width(RankShapes.of(preset(MODEL)), p, d))
 
 
 def _pools(tp: int, pages: int, device: str, layout: StateLayout = StateLayout(),

@@ -252,10 +252,18 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
         remove_placement_group(pg)
         raise RuntimeError(f"instance {name}: the cluster cannot place {tp} x {bundle} "
                            f"within {timeout_s} s (see `ray status`)")
-    actors = [RankActor().options(
-        num_cpus=cpus, num_gpus=gpus, name=f"{name}-r{r}-g{generation}",
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-    ).remote(role, name, r, tp) for r in range(tp)]
+    actors = []
+    try:  # creating an actor can raise (arguments that do not pickle): free what exists
+        for r in range(tp):
+            actors.append(RankActor().options(
+                num_cpus=cpus, num_gpus=gpus, name=f"{name}-r{r}-g{generation}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            ).remote(role, name, r, tp))
+    except Exception:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+        raise
     ranks = RayRanks(name, actors, timeout_s)
     try:
         master = ray.get(actors[0].address.remote(), timeout=timeout_s)
@@ -287,10 +295,14 @@ def start_engine_instance(name: str, generation: int, factory: str | Callable, a
         remove_placement_group(pg)
         raise RuntimeError(f"instance {name}: the cluster cannot place one engine actor with "
                            f"{bundle} on one node within {start_timeout_s} s (see `ray status`)")
-    actor = EngineActor().options(
-        num_cpus=cpus, num_gpus=gpus, name=f"{name}-engine-g{generation}",
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    ).remote(factory, name, generation, tuple(args), dict(env or {}))
+    try:  # creating the actor can raise (arguments that do not pickle): free the group
+        actor = EngineActor().options(
+            num_cpus=cpus, num_gpus=gpus, name=f"{name}-engine-g{generation}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(factory, name, generation, tuple(args), dict(env or {}))
+    except Exception:
+        remove_placement_group(pg)
+        raise
     ranks = RayRanks(name, [actor], timeout_s)
     inst = Instance("prefill", name, generation, ranks, pg, engine=True)
     try:

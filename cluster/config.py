@@ -27,7 +27,7 @@ from pdserve.model.config import PRESETS, ConfigError, ModelConfig, load_model_c
 from pdserve.state.block_table import Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 from pdserve.transfer.errors import TopologyError
-from pdserve.transfer.planner import check_topology
+from pdserve.transfer.planner import check_topology, whole_slot_width
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local-tiny.toml"
 
@@ -141,8 +141,11 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                            conv_layout, staging_width)
 
     def decode_layout(self) -> StateLayout:
-        """Decode ranks stage whole prefill conv slots (planner.conv_staging): d / p wide."""
-        return self.layout(self.decode.conv_layout, max(1, self.decode.tp // self.prefill.tp))
+        """Decode pools with a conv staging slot wide enough to take whole prefill conv slots
+        (planner.conv_staging: one read per layer instead of one per section and tap)."""
+        width = whole_slot_width(RankShapes.of(self.model_config()), self.prefill.tp,
+                                 self.decode.tp)
+        return self.layout(self.decode.conv_layout, width)
 
     def model_config(self) -> ModelConfig:
         return load_model_config(self.model.name)

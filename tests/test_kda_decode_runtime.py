@@ -87,6 +87,20 @@ def test_conv_weight_cache_follows_weight_changes():
         "_conv_w" in k for k in model.state_dict())
 
 
+def test_conv_weight_cache_follows_a_checkpoint_loaded_after_a_step(tmp_path):
+    """pdserve's own loaders write parameters in place; the cache must see that (a `.data`
+    copy would not bump the version it keys on)."""
+    from pdserve.model.weights import export_checkpoint, load_checkpoint
+    model = _engine()[0]
+    layer = next(m for m in model.modules() if isinstance(m, KDAAttention))
+    before = layer.conv_weight().clone()
+    load_checkpoint(model, str(export_checkpoint(tmp_path, preset("tiny"), seed=2,
+                                                 dtype=torch.float32)))
+    ws = [c.weight[:, 0] for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)]
+    assert not torch.equal(torch.cat(ws), before)
+    assert torch.equal(layer.conv_weight(), torch.cat(ws))
+
+
 def test_registry_cutedsl_entry_launches_with_pdl(monkeypatch):
     """The runtime's backend entry launches with PDL (the contract above is what makes it safe);
     an explicit pdl= still wins. (The kernel itself needs a Hopper GPU: tests/gpu.)"""

@@ -3,13 +3,15 @@ catches a corrupted byte, leases and notifications free the source, restarted pe
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import StateLayout
 from pdserve.transfer.dest import DestRank, TransferConfig
-from pdserve.transfer.errors import IntegrityError, LeaseExpired, PeerLost, TransferCancelled
+from pdserve.transfer.errors import (IntegrityError, LeaseExpired, PeerLost, TransferCancelled,
+                                     TransferError)
 from pdserve.transfer.nixl_agent import RankAgent
 from pdserve.transfer.planner import conv_staging
 from pdserve.transfer.regions import RegionTable
@@ -315,3 +317,19 @@ def test_registrations_merge_layers_of_one_kind_but_never_two_kinds():
     spans = {"mla_latent": [(1000, 100), (1100, 100)], "kda_recurrent": [(1200, 50), (1250, 50)],
              "kda_conv": [(5000, 10)]}
     assert _merge(spans) == [(1000, 200), (1200, 100), (5000, 10)]
+
+
+def test_an_allocation_laid_out_for_another_pool_is_refused_and_freed():
+    """The plan's offsets (pages, staging slot width, conv layout) are the allocation's: a
+    destination whose pool is laid out otherwise refuses it instead of writing past its pool."""
+    c = Cluster(TINY, 1, Topology(2), StateLayout(), tag="-layout")
+    try:
+        pools = c.actual[0]
+        used = (pools.latent.num_used, pools.slots.num_used)
+        wide = msgspec.structs.replace(c.alloc, layout=StateLayout(conv_staging_width=2))
+        with pytest.raises(TransferError, match="not this rank's pool layout"):
+            c.dst[0].receive(c.manifest, wide, "prefill-layout")
+        assert (pools.latent.num_used, pools.slots.num_used) == (used[0] - len(c.alloc.latent_pages[0]),
+                                                                 used[1] - 1)
+    finally:
+        c.close()

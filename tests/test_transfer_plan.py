@@ -11,7 +11,7 @@ from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout
 from pdserve.transfer.arrival import finish_arrival
 from pdserve.transfer.errors import IntegrityError, TopologyError
-from pdserve.transfer.planner import DestAllocation, conv_staging, plan_transfer
+from pdserve.transfer.planner import DestAllocation, conv_staging, plan_transfer, whole_slot_width
 from pdserve.transfer.regions import RegionTable, copy_reads
 
 from state_fixtures import as_dtype, dest_side, make_state, source_side, write_rank
@@ -105,6 +105,23 @@ def test_p_below_d_reads_whole_source_conv_slots_into_wide_staging(src_conv, dst
     assert all(r.staged and r.length == 2 * m.sizes.conv_slot and r.src_rank == 0 for r in conv)
     narrow, _ = run_case(KIMI, 1, 4, 4, interleave=64, checkpoint=True, staging_width=2)
     assert sum(r.kind == "kda_conv" for r in narrow.reads) > len(conv)
+
+
+def test_whole_slot_width_is_the_widest_overlap_in_destination_conv_channels():
+    assert [whole_slot_width(KIMI, p, d) for p, d in ((1, 2), (1, 4), (2, 8), (2, 1), (8, 2))] == \
+        [2, 4, 4, 1, 1]
+    six = msgspec.structs.replace(KIMI, kda_heads=6)  # TPs that do not divide each other
+    # d=3 rank 1 (heads 2-3) overlaps both p=2 sources (3 heads each): 2 x 9 / 6 channels -> 3
+    assert whole_slot_width(six, 2, 3) == 3
+    # d=2 rank 0 (heads 0-2) overlaps two p=3 sources (2 heads each): 2 x 6 / 9 -> 2
+    assert whole_slot_width(six, 3, 2) == 2
+
+
+@pytest.mark.parametrize("p,d", [(2, 3), (3, 2), (3, 6)])
+def test_tps_that_do_not_divide_each_other_take_whole_slots_when_wide_enough(p, d):
+    six = msgspec.structs.replace(TINY, kda_heads=6, mla_heads=6)
+    plan, _ = run_case(six, p, d, 1, staging_width=whole_slot_width(six, p, d), checkpoint=True)
+    assert all(r.staged for r in plan.reads if r.kind == "kda_conv")
 
 
 def test_checkpoints_move_with_the_running_slot_and_runs_coalesce():

@@ -136,6 +136,19 @@ def test_regions_are_vllm_memory_with_vllm_strides(conv_layout):
     assert got.item() == 1234.5
 
 
+def test_registration_is_one_region_kind_per_vllm_storage():
+    """Each vLLM storage is its own allocation: registered under its own kind, so the agent never
+    merges two storages that happen to be adjacent in virtual memory into one registration."""
+    from pdserve.prefill.vllm_state import _union_table
+    cache = request_cache()
+    regions, _ = describe_kv_caches(cache.kv_caches, SHAPES, "SD")
+    regions.layers["kda_recurrent"].append(torch.zeros(64, dtype=torch.uint8))  # a 2nd storage
+    table = _union_table(regions)
+    assert all(len(views) == 1 for views in table.layers.values())
+    storages = [v.untyped_storage().data_ptr() for vs in table.layers.values() for v in vs]
+    assert len(storages) == len(set(storages)) == 2
+
+
 def test_registration_rejects_a_cache_that_does_not_fit_the_model():
     cache = request_cache()
     with pytest.raises(ValueError, match="expected .* DS layout"):

@@ -11,6 +11,8 @@ tests/gpu/test_vllm_serve.py runs the same in-process assembly with a real `Vllm
 import asyncio
 import subprocess
 import sys
+import threading
+import time
 
 import msgspec
 import pytest
@@ -154,6 +156,22 @@ def test_engine_actors_serve_the_monolithic_tokens_and_fail_over(ray_session):
             asyncio.run(router.close())
         for inst in insts:
             inst.kill()
+
+
+def test_an_engine_actor_that_cannot_be_created_frees_its_placement_group(ray_session):
+    """Arguments that do not pickle make actor creation raise: the caller gets that error and
+    the instance's placement group (its CPUs/GPUs) is given back, not leaked."""
+    from ray.util import placement_group_table
+
+    before = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    with pytest.raises(TypeError):
+        start_engine_instance("prefill-unpicklable", 0, WholeReference, (threading.Lock(),),
+                              1, 0, 30.0, 30.0)
+    deadline = time.monotonic() + 10  # removal is asynchronous
+    while (live := {k for k, v in placement_group_table().items()
+                    if v["state"] != "REMOVED"}) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live == before, placement_group_table()
 
 
 def test_in_process_assembly_without_ray_serves_the_monolithic_tokens():

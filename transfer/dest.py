@@ -78,6 +78,11 @@ class DestRank:
         """Pull this rank's share of the request. Returns per-transfer figures."""
         t0, c0 = time.monotonic(), time.thread_time()
         try:
+            if alloc.layout != self.pools.layout:
+                # the plan's offsets (pages, staging slot width, conv layout) must be this pool's
+                raise TransferError(f"request {manifest.request_id}: destination rank "
+                                    f"{self.rank}: the allocation's layout {alloc.layout} is "
+                                    f"not this rank's pool layout {self.pools.layout}")
             plan = plan_transfer(manifest, alloc, ranks=[self.rank])
             t_plan, c_plan = time.monotonic() - t0, time.thread_time() - c0
             deadline = t0 + self.config.deadline_s(plan.total_bytes)

@@ -60,7 +60,7 @@ class DestAllocation(msgspec.Struct):
     layout: StateLayout
     latent_pages: list[list[int]]        # per rank: pages for that rank's DCP token shard
     slots: list[list[int]]               # per rank: [running slot, *checkpoint slots]
-    staging_slots: list[list[int]] = []  # per rank, aligned with slots, when conv layouts differ
+    staging_slots: list[list[int]] = []  # per rank, aligned with slots, when conv is staged
 
 
 # Columns of a plan's table; KIND is the index into KINDS, STAGED is 0 or 1.
@@ -118,13 +118,19 @@ def conv_staging(manifest: StateManifest, dst_topo: Topology, dst_layout: StateL
         (`StateLayout.conv_staging_width`): each is read whole, arrival picks the channels;
     "sections": per-section reads into the staging slot (only the layouts differ: arrival
         converts); "" : per-section reads straight into the slot."""
-    src, p, d = manifest.shapes, manifest.topology.tp, dst_topo.tp
-    if p != d:
-        dst = src.at_tp(d)
-        widest = max(len(list(_head_overlaps(src, dst, r))) for r in range(d))
-        if widest * src.conv_channels <= dst_layout.conv_staging_width * dst.conv_channels:
-            return "whole"
+    p, d = manifest.topology.tp, dst_topo.tp
+    if p != d and dst_layout.conv_staging_width >= whole_slot_width(manifest.shapes, p, d):
+        return "whole"
     return "sections" if manifest.layout.conv_layout != dst_layout.conv_layout else ""
+
+
+def whole_slot_width(shapes: RankShapes, p: int, d: int) -> int:
+    """The `StateLayout.conv_staging_width` a destination of TP d needs to take whole conv slots
+    from a source of TP p: the most source slots one destination rank overlaps, in multiples
+    of its own conv channels (d / p when p divides d, 1 when d divides p)."""
+    src, dst = shapes.at_tp(p), shapes.at_tp(d)
+    widest = max(len(list(_head_overlaps(src, dst, r))) for r in range(d))
+    return max(1, -(-widest * src.conv_channels // dst.conv_channels))
 
 
 def staged_parts(manifest: StateManifest, dst_topo: Topology, dst_layout: StateLayout,

@@ -87,9 +87,8 @@ class DecodeRank:
 
     def allocate(self, manifest: StateManifest, topology: Topology, extra_tokens: int):
         """(pages, slots, staging slots), or None when this rank's pools are full."""
-        staging = manifest.layout.conv_layout != self.layout.conv_layout
         try:
-            return self.dest.allocate(manifest, topology, extra_tokens, staging)
+            return self.dest.allocate(manifest, topology, extra_tokens)
         except PoolExhausted:
             return None
 

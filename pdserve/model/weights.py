@@ -49,7 +49,8 @@ def init_seeded(model: torch.nn.Module, seed: int = 0) -> None:
     """Fill every parameter of `model` with this rank's slice of the seeded full tensor."""
     for name, p in model.named_parameters():
         full = init_full(name, p.full_shape, p.init, seed)
-        p.data.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
+        with torch.no_grad():  # in place on the parameter: bumps its version (caches key on it)
+            p.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
 
 
 def full_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -115,7 +116,8 @@ def load_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
                 if tuple(full.shape) != p.full_shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model "
                                      f"shape {p.full_shape}")
-                p.data.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
+                with torch.no_grad():  # bumps the parameter's version, unlike .data
+                    p.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
 
 
 def export_checkpoint(directory: str | Path, config, seed: int = 0,

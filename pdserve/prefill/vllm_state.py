@@ -209,7 +209,9 @@ def _union_table(regions: RegionTable) -> RegionTable:
         st = t.untyped_storage()
         views += [torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, a, (b - a,))
                   for a, b in merged]
-    return RegionTable({"registered": views})
+    # one kind per view: `RankAgent` merges adjacent regions of one kind into one registration,
+    # and two storages adjacent in virtual memory are still separate allocations (CUDA IPC)
+    return RegionTable({f"registered{i}": [v] for i, v in enumerate(views)})
 
 
 def register_in_place(instance: str, rank: int, generation: int, regions: RegionTable,

@@ -41,8 +41,9 @@ class StateLayout(msgspec.Struct, frozen=True):
     conv_dtype: str = "bfloat16"
     conv_layout: ConvLayout = "SD"
     # Destination pools only: the conv staging slot holds this many times the rank's own conv
-    # channels. A decode rank of TP d set to d / p takes whole conv slots from a prefill of TP p
-    # (one read per layer instead of one per q/k/v section and tap); see planner.conv_staging.
+    # channels. Wide enough (planner.whole_slot_width: d / p when p divides d), a decode rank of
+    # TP d takes whole conv slots from a prefill of TP p (one read per layer instead of one per
+    # q/k/v section and tap); see planner.conv_staging.
     conv_staging_width: int = 1
 
     def __post_init__(self) -> None:
