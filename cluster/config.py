@@ -306,7 +306,9 @@ def vllm_engine_config(cfg: ServeConfig, model_dir: str | Path):
                             gpu_memory_utilization=v.gpu_memory_utilization,
                             num_gpu_blocks=v.num_gpu_blocks or None,
                             enforce_eager=v.enforce_eager, lease_s=cfg.transfer.lease_s,
-                            rpc_timeout_s=cfg.resources.call_timeout_s)
+                            # inside the actor call's own deadline, so a stuck worker RPC
+                            # surfaces as vLLM's error rather than as a lost instance
+                            rpc_timeout_s=cfg.resources.call_timeout_s / 2)
 
 
 def vllm_env(cfg: ServeConfig) -> dict[str, str]:
