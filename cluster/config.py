@@ -382,11 +382,16 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
         sizes = RegionSizes.of(shapes, cfg.layout(sec.conv_layout))
         slot = shapes.n_kda * (sizes.recurrent_slot + sizes.conv_slot)
         page = shapes.n_mla * sizes.latent_page
+        # disaggregated decode ranks also hold a conv staging slot per slot (planner.conv_staging)
+        staging = (sec.num_slots * shapes.n_kda * sizes.conv_slot
+                   * cfg.decode_layout().conv_staging_width
+                   if role == "decode" and not cfg.monolithic else 0)
         lines.append(f"{role}: {sec.instances} instance(s) x TP {sec.tp}{extra}")
         lines.append(f"  per rank: {sec.num_slots - 1} KDA slots x {slot / 2**20:.2f} MiB, "
                      f"{sec.num_pages - 1} latent pages x {page / 2**20:.3f} MiB "
                      f"({(sec.num_pages - 1) * cfg.state.page_tokens:,} tokens); state "
-                     f"{((sec.num_slots * slot) + sec.num_pages * page) / 2**30:.3f} GiB")
+                     f"{((sec.num_slots * slot) + sec.num_pages * page + staging) / 2**30:.3f} GiB"
+                     + (f" (conv staging {staging / 2**20:.1f} MiB)" if staging else ""))
     if cfg.monolithic:
         lines.append("  sized by [decode]; [prefill] and [transfer] are not used in this mode")
     else:
