@@ -128,14 +128,20 @@ class EngineRanks:
 
     size = 1
 
-    def __init__(self, name: str, engine):
-        self.name, self.engine = name, engine
+    def __init__(self, name: str, engine, timeout_s: float):
+        self.name, self.engine, self.timeout_s = name, engine, timeout_s
         self.actors: list = []
         self._lock = threading.Lock()
 
     def call(self, method: str, *args) -> list:
-        with self._lock:
+        # the wait for a call already running is bounded like an actor call's answer
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise InstanceLost(f"instance {self.name}: {method} could not start within "
+                               f"{self.timeout_s} s (another call still runs)")
+        try:
             return [getattr(self.engine, method)(*args)]
+        finally:
+            self._lock.release()
 
     def call_each(self, method: str, args: list[tuple]) -> list:
         (one,) = args
@@ -165,6 +171,12 @@ class RayRanks:
         with self._submit:
             refs = [a.call.remote(method, *x) for a, x in zip(self.actors, args, strict=True)]
         return self._get(refs, method)
+
+    def call_one(self, rank: int, method: str, *args):
+        """`method` on one rank only (same deadline and errors as `call`)."""
+        with self._submit:
+            ref = self.actors[rank].call.remote(method, *args)
+        return self._get([ref], method)[0]
 
     def _get(self, refs, method: str) -> list:
         import ray
@@ -202,10 +214,7 @@ class Instance:
             return self.ranks.call("digests", request_id, runs, src_rank)[0]
         if not getattr(self.ranks, "actors", None):  # in-process ranks
             return self.ranks.call_each("digests", [(request_id, runs)])[src_rank]
-        import ray
-
-        return ray.get(self.ranks.actors[src_rank].call.remote("digests", request_id, runs),
-                       timeout=self.ranks.timeout_s)
+        return self.ranks.call_one(src_rank, "digests", request_id, runs)
 
     def kill(self) -> None:
         self.alive = False
@@ -320,7 +329,7 @@ def start_engine_instance(name: str, generation: int, factory: str | Callable, a
     return inst
 
 
-def local_engine_instance(name: str, generation: int, engine) -> Instance:
+def local_engine_instance(name: str, generation: int, engine, timeout_s: float) -> Instance:
     """The same instance over an engine object in this process (no Ray, no placement)."""
-    ranks = EngineRanks(name, engine)
+    ranks = EngineRanks(name, engine, timeout_s)
     return Instance("prefill", name, generation, ranks, None, ranks.call("info")[0], engine=True)

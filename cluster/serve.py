@@ -157,7 +157,8 @@ def assemble_local(cfg: ServeConfig, model, prefill_engines: list, decode_ranks:
     from pdserve.cluster.actors import local_engine_instance
     from pdserve.decode.instance import LocalRanks
 
-    prefill = [local_engine_instance(f"prefill-{i}", 0, e) for i, e in enumerate(prefill_engines)]
+    prefill = [local_engine_instance(f"prefill-{i}", 0, e, cfg.resources.call_timeout_s)
+               for i, e in enumerate(prefill_engines)]
     decode = [Instance("decode", f"decode-{i}", 0, LocalRanks([r]), None, [r.info()])
               for i, r in enumerate(decode_ranks)]
     return assemble(cfg, model, prefill, decode)

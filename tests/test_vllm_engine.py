@@ -125,3 +125,20 @@ def _import_vllm_config():
     from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
     return KimiLinearConfig
+
+
+def test_export_waits_for_another_exporter_only_until_its_deadline(tmp_path):
+    """`pdserve serve` exports a preset once under a file lock; a second start waits for it, but
+    not forever: it gets an error naming the lock."""
+    import fcntl
+    import time
+
+    from pdserve.prefill.vllm_engine import ensure_export
+    out = tmp_path / "tiny-export"
+    with open(tmp_path / ".tiny-export.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another exporter holds it
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="export lock"):
+            ensure_export(out, preset("tiny"), seed=0, lock_timeout_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 10
+    assert not out.exists()

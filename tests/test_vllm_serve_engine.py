@@ -174,6 +174,31 @@ def test_an_engine_actor_that_cannot_be_created_frees_its_placement_group(ray_se
     assert live == before, placement_group_table()
 
 
+def test_an_in_process_engine_call_waits_for_a_running_one_only_until_the_deadline():
+    """`EngineRanks` runs one call at a time (vLLM is not thread-safe); a call that cannot start
+    within the deadline fails as a lost instance instead of queueing forever."""
+    from pdserve.cluster.actors import EngineRanks, InstanceLost
+
+    release = threading.Event()
+
+    class Slow:
+        def stats(self):
+            release.wait(30)
+            return "done"
+
+    ranks = EngineRanks("prefill-slow", Slow(), timeout_s=0.3)
+    first = threading.Thread(target=ranks.call, args=("stats",))
+    first.start()
+    time.sleep(0.1)
+    try:
+        with pytest.raises(InstanceLost, match="could not start within 0.3 s"):
+            ranks.call("stats")
+    finally:
+        release.set()
+        first.join(10)
+    assert ranks.call("stats") == ["done"]
+
+
 def test_in_process_assembly_without_ray_serves_the_monolithic_tokens():
     """What tests/gpu/test_vllm_serve.py runs on the H200 (no Ray there), with the reference
     engine: `assemble_local` over an in-process engine (calls serialised by `EngineRanks`) and a

@@ -81,18 +81,30 @@ def export_name(name: str, config, seed: int) -> str:
     return f"{stem}-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def ensure_export(directory: str | Path, config, seed: int) -> Path:
+def ensure_export(directory: str | Path, config, seed: int, lock_timeout_s: float = 3600.0) -> Path:
     """`directory` as an HF directory of `config`'s seeded weights in bf16 (what `pdserve export`
     writes): written once, atomically (a temporary directory renamed into place under a file
-    lock), and reused while it is there."""
+    lock), and reused while it is there. Waits at most `lock_timeout_s` for another process's
+    export (the full 48B model takes minutes)."""
     from pdserve.model.weights import export_checkpoint
 
     out = Path(directory).expanduser()
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock_path = out.parent / f".{out.name}.lock"
+    with open(lock_path, "w") as lock:
+        deadline = time.monotonic() + lock_timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{out}: another live process has held the export "
+                                       f"lock {lock_path} for over {lock_timeout_s:.0f} s (its "
+                                       "export is still running or stuck)") from None
+                time.sleep(0.5)
         if (out / "config.json").exists() and any(out.glob("*.safetensors")):
             return out
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
