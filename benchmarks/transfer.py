@@ -99,7 +99,8 @@ def dest_main(conn, instance: str, rank: int, topo: Topology, layout: StateLayou
               device: str):
     torch.set_num_threads(1)
     pools = _pools(topo.tp, pages, device, layout)
-    dst = DestRank(RankAgent(instance, rank, 0, RegionTable.of_pools(pools), device), pools,
+    dst = DestRank(RankAgent(instance, rank, 0, RegionTable.of_pools(pools), device,
+                              progress_thread=False), pools,
                    TransferConfig(base_deadline_s=30))
     conn.send(dst.agent.info())
     while True:

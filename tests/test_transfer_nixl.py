@@ -38,7 +38,8 @@ class Cluster:
         self.released = []
         self.src = [SourceRank(RankAgent(f"prefill{tag}", s, gen, RegionTable.of_pools(pl)),
                                release=self.released.append) for s, pl in enumerate(self.src_pools)]
-        self.dst = [DestRank(RankAgent(f"decode{tag}", r, 0, RegionTable.of_pools(pl)), pl, config)
+        self.dst = [DestRank(RankAgent(f"decode{tag}", r, 0, RegionTable.of_pools(pl),
+                                        progress_thread=False), pl, config)
                     for r, pl in enumerate(self.actual)]
         for d in self.dst:
             for s in self.src:

@@ -229,7 +229,7 @@ def pair():
     regions, geo = describe_kv_caches(cache.kv_caches, SHAPES, "SD")
     src = register_in_place("vllm-p", 0, 1, regions)
     pools = StatePools(SHAPES, StateLayout(), num_pages=8, num_slots=4)
-    dst = RankAgent("decode", 0, 0, RegionTable.of_pools(pools))
+    dst = RankAgent("decode", 0, 0, RegionTable.of_pools(pools), progress_thread=False)
     dst.connect(src.info())
     src.connect(dst.info())
     yield cache, geo, src, dst, pools
@@ -314,7 +314,7 @@ def test_decode_reads_vllm_cache_in_place_into_pdserve_pools(src_conv, dst_conv)
     tracker.apply({"req-7": 30.0}, [])
     layout = StateLayout(conv_layout=dst_conv)
     pools = StatePools(SHAPES, layout, num_pages=8, num_slots=4, conv_staging=src_conv != dst_conv)
-    dst = DestRank(RankAgent("decode-e2e", 0, 0, RegionTable.of_pools(pools)), pools)
+    dst = DestRank(RankAgent("decode-e2e", 0, 0, RegionTable.of_pools(pools), progress_thread=False), pools)
     try:
         dst.agent.connect(src.info())
         src.connect(dst.agent.info())
@@ -341,7 +341,8 @@ def test_decode_at_tp2_reads_head_shards_of_one_vllm_rank():
     layout, topo = StateLayout(), Topology(tp=2)
     d_shapes = SHAPES.at_tp(2)
     pools = [StatePools(d_shapes, layout, num_pages=8, num_slots=4) for _ in range(2)]
-    dst = [DestRank(RankAgent("decode-tp", r, 0, RegionTable.of_pools(p)), p) for r, p in enumerate(pools)]
+    dst = [DestRank(RankAgent("decode-tp", r, 0, RegionTable.of_pools(p), progress_thread=False), p)
+           for r, p in enumerate(pools)]
     try:
         for d in dst:
             d.agent.connect(src.info())
@@ -511,7 +512,7 @@ def test_scheduler_keeps_blocks_and_decode_done_frees_them(connectors):
     # pdserve's decode side reads vLLM's cache in place and says done
     layout = StateLayout()
     pools = StatePools(SHAPES, layout, num_pages=8, num_slots=4)
-    dst = DestRank(RankAgent("decode-real", 0, 0, RegionTable.of_pools(pools)), pools)
+    dst = DestRank(RankAgent("decode-real", 0, 0, RegionTable.of_pools(pools), progress_thread=False), pools)
     try:
         dst.agent.connect(export.agents[0])
         pages, slots, _ = dst.allocate(m, Topology())

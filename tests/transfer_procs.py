@@ -51,7 +51,8 @@ def dest_main(conn, shapes: RankShapes, n: int, pages: int, verify: bool):
     torch.set_num_threads(1)
     layout = StateLayout()
     pools = make_pools(shapes, layout, pages=pages, slots=4)
-    dst = DestRank(RankAgent("decode", 0, 0, RegionTable.of_pools(pools)), pools,
+    dst = DestRank(RankAgent("decode", 0, 0, RegionTable.of_pools(pools), progress_thread=False),
+                   pools,
                    TransferConfig(verify=verify, base_deadline_s=3.0, expected_gbps=1.0))
     conn.send(("ready", dst.agent.info()))
     while True:

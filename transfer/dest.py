@@ -4,6 +4,7 @@ On any failure the rank's allocation is freed before the typed error reaches the
 source keeps its state (the caller may retry, or cancel to free it at once)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
@@ -20,6 +21,8 @@ from pdserve.transfer.metrics import TransferMetrics
 from pdserve.transfer.nixl_agent import RankAgent
 from pdserve.transfer.planner import DestAllocation, conv_staging, plan_transfer
 from pdserve.transfer.source import cancel_message, done_message
+
+log = logging.getLogger(__name__)
 
 Digests = Callable[[int, list[Run]], list[int]]  # (source rank, runs) -> xxh3 digests
 
@@ -102,8 +105,13 @@ class DestRank:
             t2, c2 = time.monotonic(), time.thread_time()
             t_arrival = t2 - t1 - t_verify
             for s in range(manifest.topology.tp):
-                self.agent.notify(src_instance, s, done_message(manifest.request_id, self.rank,
-                                                                alloc.topology.tp))
+                try:
+                    self.agent.notify(src_instance, s, done_message(manifest.request_id,
+                                                                    self.rank, alloc.topology.tp))
+                except TransferError as exc:
+                    # the state is here and checked; a source lost since frees by its lease
+                    log.warning("request %s: telling %s rank %d it was read failed: %s",
+                                manifest.request_id, src_instance, s, exc)
             t_notify, c_notify = time.monotonic() - t2, time.thread_time() - c2
         except TransferError as exc:
             self.metrics.failure(exc)

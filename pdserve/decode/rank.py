@@ -72,7 +72,8 @@ class DecodeRank:
                                     kda_step=self.kda_step) if cuda_graphs else None)
         self._eager_reasons: set[str] = set()
         self.dest = DestRank(RankAgent(instance, rank, generation,
-                                       RegionTable.of_pools(self.pools), device),
+                                       RegionTable.of_pools(self.pools), device,
+                                       progress_thread=False),  # see RankAgent
                              self.pools, transfer)
         self.tables: dict[str, BlockTable] = {}
         self.params: dict[str, SamplingParams] = {}
