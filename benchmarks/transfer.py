@@ -52,6 +52,11 @@ CASES = [("p1-d1", 1, Topology(1), True), ("p2-d1", 2, Topology(1), True),
          ("p1-d2-dcp2-unplaced", 1, Topology(2, 2, 64), False),
          ("p1-d2-dcp2-il1024", 1, Topology(2, 2, 1024), False)]
 REPLY_S = 120  # every wait on a rank process has a deadline
+# A source rank handles its notifications and leases when polled, and the router polls prefill
+# ranks every 0.2 s while requests are in flight (cluster/router.py POLL_S); a source process here
+# does the same (a 2 ms loop cost each source process ~8 % of a core: load the deployment does not
+# have, on a 2-core host shared with the destination ranks' copies).
+SOURCE_POLL_S = 0.2
 
 
 def dest_layout(p: int, d: int) -> StateLayout:
@@ -81,7 +86,7 @@ def source_main(conn, instance: str, rank: int, p: int, n: int, pages: int, devi
                      release=lambda rid: None)
     conn.send((src.agent.info(), manifest.encode()))
     while True:
-        if conn.poll(0.002):
+        if conn.poll(SOURCE_POLL_S):
             cmd, *args = conn.recv()
             if cmd == "connect":
                 src.agent.connect(args[0])
@@ -100,7 +105,7 @@ def dest_main(conn, instance: str, rank: int, topo: Topology, layout: StateLayou
     torch.set_num_threads(1)
     pools = _pools(topo.tp, pages, device, layout)
     dst = DestRank(RankAgent(instance, rank, 0, RegionTable.of_pools(pools), device,
-                              progress_thread=False), pools,
+                              progress_thread=device != "cpu"), pools,  # as DecodeRank
                    TransferConfig(base_deadline_s=30))
     conn.send(dst.agent.info())
     while True:

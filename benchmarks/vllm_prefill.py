@@ -188,8 +188,7 @@ def decode_main(conn, model_dir: str, layout: dict, num_pages: int, num_slots: i
         pools = StatePools(RankShapes.of(load_config(model_dir)), lt, num_pages, num_slots,
                            device="cuda", conv_staging=True)
         # generous deadline: UCX may emulate VRAM reads over TCP on one GPU (~0.45 GB/s seen)
-        dst = DestRank(RankAgent("bench-decode", 0, 0, RegionTable.of_pools(pools), "cuda",
-                                  progress_thread=False), pools,
+        dst = DestRank(RankAgent("bench-decode", 0, 0, RegionTable.of_pools(pools), "cuda"), pools,
                        TransferConfig(base_deadline_s=60.0, expected_gbps=0.05))
         topo = Topology(1)
 

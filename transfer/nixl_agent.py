@@ -20,6 +20,7 @@ from pdserve.transfer.planner import DOFF, KIND, KINDS, LAYER, LEN, SOFF, SRC, S
 from pdserve.transfer.regions import RegionTable
 
 POLL_S = 0.0005  # between completion checks; keeps a CPU core mostly free while waiting
+SPIN_S = 0.0002  # checks without a sleep first
 # Each kind has one prepared list per side: an entry per transfer unit of every layer. A request
 # indexes it with numpy arrays (one index per unit); NIXL merges index runs that are contiguous on
 # both sides into one descriptor before the backend sees them (NIXL >= 1.5; checked in
@@ -96,8 +97,10 @@ class RankAgent:
         `progress_thread`: NIXL's UCX progress thread, which answers peers while this process
         is busy elsewhere. A source needs it (readers connect and notify it whenever they act).
         A destination drives its own progress (`wait` polls its reads, `notify` waits for its
-        message), so it runs without: during reads the thread took 16-20 % of a core in every
-        destination process, CPU the copies lacked (2-core VM, DCP2 at 8K: 15.5 -> 11.6 ms)."""
+        message), so it can run without: during DRAM reads the thread took 16-20 % of a core in
+        every destination process, CPU the copies lacked (2-core VM, DCP2 at 8K: 15.5 -> 11.6
+        ms). `DecodeRank` does so on DRAM; on VRAM (the GPU copies) it keeps the thread until
+        the notification READ has been run on the H200."""
         api = load_nixl()
         self.instance, self.rank, self.generation = instance, rank, generation
         self.name = f"{instance}.r{rank}.g{generation}"
@@ -180,11 +183,15 @@ class RankAgent:
                                    np.array([self._scratch.data_ptr()]), np.array([addr]),
                                    np.array([n]), message)
         try:
-            if self.agent.transfer(handle) == "ERR":
+            state = self.agent.transfer(handle)
+            if state == "ERR":
                 raise PeerLost(f"{self.name}: notifying {info.name} failed")
         except Exception as exc:
             self.release([("notify", handle, n)])
             raise _as_peer_lost(exc, self.name) from exc
+        if state == "DONE":  # completed inside the post
+            self.release([("notify", handle, n)])
+            return
         self.wait([("notify", handle, n)], time.monotonic() + timeout_s)
 
     def notifications(self) -> dict[str, list[bytes]]:
@@ -321,7 +328,8 @@ class RankAgent:
                         raise TransferTimeout(
                             f"{self.name}: {len(pending)} of {len(posted)} reads unfinished at the "
                             f"deadline ({time.monotonic() - start:.2f} s after posting)")
-                    time.sleep(POLL_S)
+                    # a notification's READ (or an inline-moved read) is done within microseconds
+                    time.sleep(POLL_S if time.monotonic() - start > SPIN_S else 0)
         except Exception as exc:
             raise _as_peer_lost(exc, self.name) from exc
         finally:

@@ -73,7 +73,9 @@ class DecodeRank:
         self._eager_reasons: set[str] = set()
         self.dest = DestRank(RankAgent(instance, rank, generation,
                                        RegionTable.of_pools(self.pools), device,
-                                       progress_thread=False),  # see RankAgent
+                                       # measured on DRAM (see RankAgent); VRAM keeps the
+                                       # thread until the notify READ is checked on the H200
+                                       progress_thread=str(device).startswith("cuda")),
                              self.pools, transfer)
         self.tables: dict[str, BlockTable] = {}
         self.params: dict[str, SamplingParams] = {}
