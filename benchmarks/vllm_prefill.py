@@ -195,8 +195,7 @@ def decode_main(conn, model_dir: str, layout: dict, num_pages: int, num_slots: i
         def receive(raw):
             h = msgspec.msgpack.decode(raw, type=StateHandle)
             m = h.manifest
-            staging = m.layout.conv_layout != lt.conv_layout
-            pages, slots, stage = dst.allocate(m, topo, 0, staging)
+            pages, slots, stage = dst.allocate(m, topo)
             alloc = DestAllocation(topo, lt, [pages], [slots], [stage])
             before = dict(dst.metrics.snapshot().bytes_by_kind)  # cumulative: take the delta
             t0 = time.perf_counter()

@@ -319,7 +319,7 @@ def test_decode_reads_vllm_cache_in_place_into_pdserve_pools(src_conv, dst_conv)
         dst.agent.connect(src.info())
         src.connect(dst.agent.info())
         topo = Topology()
-        pages, slots, stage = dst.allocate(manifest, topo, staging=src_conv != dst_conv)
+        pages, slots, stage = dst.allocate(manifest, topo)
         alloc = DestAllocation(topo, layout, [pages], [slots], [stage] if stage else [])
         stats = dst.receive(manifest, alloc, "vllm-e2e")
         assert stats["bytes"] > 0

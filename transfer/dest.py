@@ -44,15 +44,14 @@ class DestRank:
         self.rank = agent.rank
         self.metrics = metrics or TransferMetrics()
 
-    def allocate(self, manifest: StateManifest, topology, extra_tokens: int = 0,
-                 staging: bool = False) -> tuple[list[int], list[int], list[int]]:
+    def allocate(self, manifest: StateManifest, topology, extra_tokens: int = 0
+                 ) -> tuple[list[int], list[int], list[int]]:
         """(pages, slots, staging slots) on this rank for the request plus `extra_tokens`.
-        Staging slots are taken whenever the plan stages conv state (`conv_staging`), or when
-        `staging` asks for them."""
+        Staging slots are taken whenever the plan stages conv state (`conv_staging`)."""
         n = topology.local_count(self.rank if topology.dcp > 1 else 0,
                                  manifest.num_tokens + extra_tokens)
         n_slots = 1 + len(manifest.checkpoints)
-        staging = staging or bool(conv_staging(manifest, topology, self.pools.layout))
+        staging = bool(conv_staging(manifest, topology, self.pools.layout))
         need = self.pools.latent.pages_for(max(n, 1))
         pages = self.pools.latent.allocate(need)
         try:

@@ -113,7 +113,6 @@ class RankAgent:
             # UCX reads this when the agent's context is created; a user's setting wins.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
         self.addresses = regions.addresses()  # fixed for the agent's life (pools never move)
-        self.progress_thread = progress_thread
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(
             enable_prog_thread=progress_thread, backends=["UCX"]))
         # Without a progress thread a standalone notification would wait in the send queue
@@ -174,7 +173,7 @@ class RankAgent:
         READ from the peer, returning once that READ completed (so the message is out), or
         raising `PeerLost` / `TransferTimeout` within `timeout_s`."""
         info = self.peer(instance, rank)
-        if self.progress_thread:
+        if self._scratch is None:  # a progress thread sends it
             self.agent.send_notif(info.name, message)
             return
         addr, size = next(iter(info.regions.values()))[0]
