@@ -250,29 +250,13 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
                    cpus: float, gpus: float, timeout_s: float, threads: int = 0) -> Instance:
     """Create the placement group and rank actors of one instance and set its ranks up."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if role not in ROLES:
         raise ValueError(f"instance {name}: role must be one of {', '.join(ROLES)}, got {role!r}")
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    pg = placement_group([bundle] * tp, strategy="STRICT_PACK", name=f"{name}-g{generation}")
-    if not pg.wait(timeout_seconds=timeout_s):
-        remove_placement_group(pg)
-        raise RuntimeError(f"instance {name}: the cluster cannot place {tp} x {bundle} "
-                           f"within {timeout_s} s (see `ray status`)")
-    actors = []
-    try:  # creating an actor can raise (arguments that do not pickle): free what exists
-        for r in range(tp):
-            actors.append(RankActor().options(
-                num_cpus=cpus, num_gpus=gpus, name=f"{name}-r{r}-g{generation}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            ).remote(role, name, r, tp))
-    except Exception:
-        for a in actors:
-            ray.kill(a)
-        remove_placement_group(pg)
-        raise
+    pg, actors = _placed_actors(
+        name, generation, cpus, gpus, tp, timeout_s, f"{tp} rank(s)",
+        lambda r, opts: RankActor().options(name=f"{name}-r{r}-g{generation}", **opts).remote(
+            role, name, r, tp))
     ranks = RayRanks(name, actors, timeout_s)
     try:
         master = ray.get(actors[0].address.remote(), timeout=timeout_s)
@@ -287,6 +271,36 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
     return Instance(role, name, generation, ranks, pg, agents)
 
 
+def _placed_actors(name: str, generation: int, cpus: float, gpus: float, count: int,
+                   timeout_s: float, what: str, make: Callable) -> tuple[object, list]:
+    """A STRICT_PACK placement group of `count` bundles of (cpus, gpus) and one actor in each,
+    made by `make(bundle index, actor options)`. If placement does not happen within
+    `timeout_s`, or an actor cannot be created (arguments that do not pickle), whatever exists
+    is given back and the error raised."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([bundle] * count, strategy="STRICT_PACK", name=f"{name}-g{generation}")
+    if not pg.wait(timeout_seconds=timeout_s):
+        remove_placement_group(pg)
+        raise RuntimeError(f"instance {name}: the cluster cannot place {what} ({count} x "
+                           f"{bundle}) on one node within {timeout_s} s (see `ray status`)")
+    actors = []
+    try:
+        for i in range(count):
+            actors.append(make(i, dict(num_cpus=cpus, num_gpus=gpus,
+                                       scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                           pg, placement_group_bundle_index=i))))
+    except Exception:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+        raise
+    return pg, actors
+
+
 def start_engine_instance(name: str, generation: int, factory: str | Callable, args: tuple,
                           cpus: float, gpus: int, timeout_s: float, start_timeout_s: float,
                           env: dict[str, str] | None = None) -> Instance:
@@ -295,23 +309,11 @@ def start_engine_instance(name: str, generation: int, factory: str | Callable, a
     `start_timeout_s` bounds placement and the engine's start-up (vLLM: minutes on a cold Triton
     cache); `timeout_s` every later call."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    pg = placement_group([bundle], strategy="STRICT_PACK", name=f"{name}-g{generation}")
-    if not pg.wait(timeout_seconds=start_timeout_s):
-        remove_placement_group(pg)
-        raise RuntimeError(f"instance {name}: the cluster cannot place one engine actor with "
-                           f"{bundle} on one node within {start_timeout_s} s (see `ray status`)")
-    try:  # creating the actor can raise (arguments that do not pickle): free the group
-        actor = EngineActor().options(
-            num_cpus=cpus, num_gpus=gpus, name=f"{name}-engine-g{generation}",
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(factory, name, generation, tuple(args), dict(env or {}))
-    except Exception:
-        remove_placement_group(pg)
-        raise
+    pg, (actor,) = _placed_actors(
+        name, generation, cpus, gpus, 1, start_timeout_s, "one engine actor",
+        lambda _, opts: EngineActor().options(name=f"{name}-engine-g{generation}", **opts).remote(
+            factory, name, generation, tuple(args), dict(env or {})))
     ranks = RayRanks(name, [actor], timeout_s)
     inst = Instance("prefill", name, generation, ranks, pg, engine=True)
     try:
