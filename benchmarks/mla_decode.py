@@ -7,6 +7,10 @@ bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy
 The split count is fixed before capture (choose_num_splits from B, L, H).
 
     python benchmarks/mla_decode.py [--json benchmarks/results/mla_decode_h200.json] [--quick]
+                                    [--core mma|wgmma]
+
+--core picks the attention core (default: cutedsl.CORE); the JSON defaults to
+benchmarks/results/mla_decode_h200.json for "mma" and mla_decode_h200_wgmma.json for "wgmma".
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ ROTATE_BYTES = 256 << 20  # graph working set at least this large (L2 is 60 MB)
 FP8_F16 = False
 
 
-def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None):
+def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None):
     from pdserve.kernels.mla_decode.cutedsl import choose_num_splits, mla_decode_cutedsl
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
@@ -50,7 +54,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None):
     def run_all():
         for k in range(K):
             mla_decode_cutedsl(qs[k], cache, bts[k], seq, SCALE, kv_scale, num_splits=splits,
-                               out=outs[k], lse=lses[k], fp8_f16=fp8_f16)
+                               out=outs[k], lse=lses[k], fp8_f16=fp8_f16, core=core)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -76,22 +80,27 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None):
     floor_us = per_call / COPY_BW * 1e6
     del g, cache
     torch.cuda.empty_cache()
-    return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", num_splits=splits,
+    return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, num_splits=splits,
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,
-                fp8_mma=None if not fp8 else ("f16" if (FP8_F16 if fp8_f16 is None else fp8_f16) else "bf16"))
+                fp8_mma=None if not fp8 else ("f16" if (FP8_F16 if fp8_f16 is None else fp8_f16)
+                                              and core == "mma" else "bf16"))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default="benchmarks/results/mla_decode_h200.json")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--core", default=None, choices=("mma", "wgmma"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split-count sweep")
     args = ap.parse_args(argv)
     import cutlass
     global FP8_F16
-    from pdserve.kernels.mla_decode.cutedsl import FP8_F16
+    from pdserve.kernels.mla_decode.cutedsl import CORE, FP8_F16
+    core = args.core or CORE
+    if args.json is None:
+        args.json = "benchmarks/results/mla_decode_h200" + ("" if core == "mma" else f"_{core}") + ".json"
     Bs, Ls, Hs = (1, 8, 64), (1024, 8192, 32768, 131072), (12, 32)
     if args.quick:
         Bs, Ls = (1, 64), (8192, 131072)
@@ -100,7 +109,7 @@ def main(argv=None):
         for H in Hs:
             for B in Bs:
                 for L in Ls:
-                    r = bench_one(B, L, H, fp8)
+                    r = bench_one(B, L, H, fp8, core=core)
                     rows.append(r)
                     print(f"{r['kv_dtype']:9s} H={H:2d} B={B:2d} L={L:6d} splits={r['num_splits']:3d} "
                           f"{r['us']:9.1f} us  {r['gbps']:7.0f} GB/s  floor {r['floor_us']:8.1f} us "
@@ -112,11 +121,11 @@ def main(argv=None):
             for sp in (16, 32, 64, 128):
                 if sp * 64 > L or B * sp > 132:
                     continue
-                r = bench_one(B, L, 32, False, reps=9, splits=sp)
+                r = bench_one(B, L, 32, False, reps=9, splits=sp, core=core)
                 sweep.append(r)
                 print(f"sweep {r['kv_dtype']:9s} H=32 B={B} L={L} splits={sp:3d} {r['us']:8.1f} us", flush=True)
     res = dict(
-        op="mla_decode", backend="cutedsl", device=torch.cuda.get_device_name(0),
+        op="mla_decode", backend="cutedsl", core=core, device=torch.cuda.get_device_name(0),
         capability=list(torch.cuda.get_device_capability(0)), date=datetime.datetime.now().isoformat(),
         versions=dict(torch=torch.__version__, cuda=torch.version.cuda, cutlass_dsl=getattr(cutlass, "__version__", "?"),
                       python=platform.python_version()),
@@ -129,7 +138,7 @@ def main(argv=None):
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
     # short table last
-    print("\nMLA decode (CuTe DSL, H200): us per call / % of copy-bandwidth floor")
+    print(f"\nMLA decode (CuTe DSL, {core} core, H200): us per call / % of copy-bandwidth floor")
     for kd in ("bf16", "fp8_e4m3"):
         for H in Hs:
             print(f"{kd} H={H}: " + "  ".join(

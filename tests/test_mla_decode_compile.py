@@ -1,7 +1,10 @@
 """CuTe DSL MLA decode kernels compile to sm_90a cubins on a CPU-only machine (CI).
 
 `CUTE_DSL_ARCH=sm_90a` makes cute.compile target Hopper without a GPU. Each variant compiles
-once per session (the module caches compiled objects); the whole file takes ~15 s on 2 cores.
+once per session (the module caches compiled objects); the whole file takes ~25 s on 2 cores.
+Both attention cores are compiled: "mma" (mma.sync, the default) and "wgmma" (warpgroup MMA with
+a TMA producer warp); for the wgmma core the cubin is also checked (sm_90a instructions, 168
+registers at launch for 384 threads, no spill stack).
 """
 import os
 
@@ -11,6 +14,7 @@ import pytest
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (test extra) not installed")
 
+from pdserve.kernels.kda_decode.cutedsl import cubin_resources  # noqa: E402
 from pdserve.kernels.mla_decode import cutedsl as mc  # noqa: E402
 
 VARIANTS = [(False, 16, 64, None), (False, 32, 64, None), (True, 16, 64, None),
@@ -19,13 +23,32 @@ VARIANTS = [(False, 16, 64, None), (False, 32, 64, None), (True, 16, 64, None),
 
 @pytest.mark.parametrize("kv_fp8,h_pad,page_tokens,fp8_f16", VARIANTS)
 def test_main_kernel_compiles(kv_fp8, h_pad, page_tokens, fp8_f16):
-    fn = mc.compile_main(kv_fp8, h_pad, page_tokens, fp8_f16)
+    fn = mc.compile_main(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma")
     assert fn is not None
-    assert mc.compile_main(kv_fp8, h_pad, page_tokens, fp8_f16) is fn   # cached in the session
-    k = mc.kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16)
+    assert mc.compile_main(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma") is fn   # cached
+    k = mc.kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma")
     assert k.stages >= 2 and k.num_threads == 32 * 4 * (h_pad // 16)
     smem = k.h_pad * 576 * 2 + k.stages * 64 * (k.raw_row if kv_fp8 else 576 * 2)
     assert smem <= mc.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("kv_fp8,page_tokens", [(False, 64), (True, 64), (False, 128), (True, 256)])
+def test_wgmma_core_compiles(kv_fp8, page_tokens, tmp_path):
+    fn = mc.compile_main(kv_fp8, 32, page_tokens, core="wgmma", dump_dir=str(tmp_path))
+    ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
+    assert ".target sm_90a" in ptx
+    # S: 36 wgmma m64n64k16 (K = 576); PV: 4 wgmma m64n256k16 with a register A, transposed B
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 36
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 4
+    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    assert ptx.count("setmaxnreg") == 2
+    res = cubin_resources(cubin)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] <= 65536 // 384, res                 # 384 threads must fit at launch
+    k = mc.kernel_config(kv_fp8, 32, page_tokens, core="wgmma")
+    assert k.num_threads == 384 and k.stages >= 2 and k.smem_bytes <= mc.SMEM_LIMIT
+    assert mc.compile_main(kv_fp8, 12, page_tokens, core="wgmma") is \
+        mc.compile_main(kv_fp8, 32, page_tokens, core="wgmma")  # one variant for every H
 
 
 def test_combine_kernel_compiles():

@@ -32,10 +32,20 @@ splits of two tiles each, the first-tile latency of every CTA plus a second laun
 (64-row, Q from smem, S in registers) with a warp-specialized TMA producer and 2-3 tiles in
 flight, fp8 QK/PV with a quantized query, and a fused split combine (last CTA per request merges)
 to drop the second launch.
+
+Cores: this module's `MlaDecodeKernel` (mma.sync, above; core="mma", the default) and the
+warpgroup-MMA core in wgmma.py (`MlaDecodeWgmmaKernel`, core="wgmma": 64-row wgmma with Q in
+smem, S and P in registers, a warp-specialized TMA producer over a 2-stage ring). Both take the
+same arguments and share the split choice, the combine and the host launcher; pass
+`core=` to compile_main / mla_decode_cutedsl or set PDSERVE_MLA_CORE. The wgmma core compiles
+for sm_90a but has NOT been run on a GPU yet: once tests/gpu/test_mla_decode_gpu.py passes for it
+and benchmarks/mla_decode.py --core wgmma beats this core, make it the default and delete
+MlaDecodeKernel (and the fp8_f16 option, which only this core has).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import cutlass
 import cutlass.cute as cute
@@ -619,20 +629,47 @@ def _fake_args_main(k: MlaDecodeKernel):
 FP8_F16 = False
 
 
-def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None):
-    """Compiled split-KV attention kernel for one variant (cached for the process)."""
-    fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
-    key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens)) + ((fp8_f16,) if kv_fp8 else ())
-    if key not in _COMPILED:
-        k = MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16)
-        _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
-    return _COMPILED[key][1]
+# attention core: "mma" (MlaDecodeKernel, mma.sync; verified on the H200) or "wgmma"
+# (wgmma.MlaDecodeWgmmaKernel; compiles, not yet run on a GPU)
+CORES = ("mma", "wgmma")
+CORE = os.environ.get("PDSERVE_MLA_CORE", "mma")
 
 
-def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None):
-    """The MlaDecodeKernel object (stages, threads, dtypes) behind compile_main's variant."""
+def _core(core: str | None) -> str:
+    core = CORE if core is None else core
+    assert core in CORES, f"unknown MLA decode core {core!r} (one of {CORES})"
+    return core
+
+
+def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
+                  core: str | None = None):
+    """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
+    always pads the heads to 64 and ignores h_pad and fp8_f16."""
+    if _core(core) == "wgmma":
+        from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
+        return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens))
     fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
     return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16)
+
+
+def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
+                 core: str | None = None, dump_dir: str | None = None):
+    """Compiled split-KV attention kernel for one variant (cached for the process). With
+    `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
+    cache is bypassed)."""
+    core = _core(core)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core)
+    if dump_dir is not None:
+        return cute.compile(k, *_fake_args_main(k),
+                            options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
+    if core == "wgmma":
+        key = ("main", core, bool(kv_fp8), int(page_tokens))
+    else:
+        fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
+        key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens)) + ((fp8_f16,) if kv_fp8 else ())
+    if key not in _COMPILED:
+        _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
+    return _COMPILED[key][1]
 
 
 def compile_combine():
@@ -666,12 +703,13 @@ def choose_num_splits(batch: int, max_seq_len: int, heads: int, num_sms: int = N
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-    fp8_f16: bool | None = None, **_ignored,
+    fp8_f16: bool | None = None, core: str | None = None, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
     lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
-    split count is derived from seq_lens.max(), a host sync."""
+    split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
+    ("mma" / "wgmma"; default CORE, from PDSERVE_MLA_CORE)."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -703,7 +741,7 @@ def mla_decode_cutedsl(
     for t in (q, kv_cache, out, o_part):
         assert t.data_ptr() % 16 == 0, "16-byte aligned tensors required"
 
-    main = compile_main(fp8, hp, page_tokens, fp8_f16)
+    main = compile_main(fp8, hp, page_tokens, fp8_f16, core)
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)

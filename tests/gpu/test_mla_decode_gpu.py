@@ -2,7 +2,8 @@
 
 Fresh random inputs each run; outputs and LSE are NaN-poisoned before the kernel, and the
 padding page and every cache row past a request's end are NaN too, so unwritten outputs or
-reads past the end show up as NaN.
+reads past the end show up as NaN. Both attention cores run every case: "mma" (mma.sync, the
+default) and "wgmma" (warpgroup MMA + TMA producer; heads padded to 64).
 """
 import pytest
 import torch
@@ -14,6 +15,7 @@ pytestmark = [
 
 SCALE = 192 ** -0.5
 PAGE = 64
+CORES = ["mma", "wgmma"]
 
 
 def _sm90():
@@ -51,10 +53,10 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None):
     return q, cache, bt, seq, kv_scale
 
 
-def check(lens, H, fp8, **kw):
+def check(lens, H, fp8, page_tokens=PAGE, **kw):
     from pdserve.kernels.mla_decode import mla_decode_reference
     from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
-    q, cache, bt, seq, kv_scale = make_case(lens, H, fp8)
+    q, cache, bt, seq, kv_scale = make_case(lens, H, fp8, page_tokens)
     B = len(lens)
     out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, H), float("nan"), dtype=torch.float32, device="cuda")
@@ -91,24 +93,38 @@ def _b64_lens():
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("case", list(LENS))
-def test_matches_reference(case, H, fp8):
+@pytest.mark.parametrize("core", CORES)
+def test_matches_reference(core, case, H, fp8):
     lens = LENS[case] or _b64_lens()
-    check(lens, H, fp8)
+    check(lens, H, fp8, core=core)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_f16mma"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("page_tokens", [128, 256])
+def test_wgmma_larger_pages(page_tokens, fp8):
+    """Several tiles per page (page row = page * tiles_per_page + t % tiles_per_page)."""
+    check([1, 127, 129, 3000, 20000 + 33], 32, fp8, page_tokens=page_tokens, core="wgmma")
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_f16mma", "wgmma_bf16", "wgmma_fp8"])
 @pytest.mark.parametrize("num_splits", [1, 3, 64, 300])
 def test_forced_splits(num_splits, variant):
     """Both epilogues (direct and partial + combine), many empty splits; the fp8 cache also
-    through fp16 MMA operands (the alternative to the default bf16 widening)."""
+    through fp16 MMA operands (the alternative to the default bf16 widening, mma core only)."""
     kw = {"fp8_f16": True} if variant == "fp8_f16mma" else {}
-    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, variant != "bf16", num_splits=num_splits, **kw)
+    kw["core"] = "wgmma" if variant.startswith("wgmma") else "mma"
+    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, not variant.endswith("bf16"),
+          num_splits=num_splits, **kw)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("core", CORES)
+def test_cuda_graph_replay_matches_eager(core):
+    from functools import partial
     from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    mla_decode_cutedsl = partial(mla_decode_cutedsl, core=core)
     q, cache, bt, seq, kv_scale = make_case([100, 5000, 70000, 1], 32, False)
     o1, l1 = mla_decode_cutedsl(q, cache, bt, seq, SCALE, num_splits=16)
     out = torch.empty_like(o1)
