@@ -7,10 +7,11 @@ bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy
 The split count is fixed before capture (choose_num_splits from B, L, H).
 
     python benchmarks/mla_decode.py [--json benchmarks/results/mla_decode_h200.json] [--quick]
-                                    [--core mma|wgmma]
+                                    [--core auto|mma|wgmma]
 
---core picks the attention core (default: cutedsl.CORE); the JSON defaults to
-benchmarks/results/mla_decode_h200.json for "mma" and mla_decode_h200_wgmma.json for "wgmma".
+--core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell,
+recorded in each row); the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma",
+mla_decode_h200_wgmma.json for "wgmma" and mla_decode_h200_auto.json for "auto".
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ FP8_F16 = False
 
 
 def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None):
-    from pdserve.kernels.mla_decode.cutedsl import choose_num_splits, mla_decode_cutedsl
+    from pdserve.kernels.mla_decode.cutedsl import choose_core, choose_num_splits, mla_decode_cutedsl
+    if core in (None, "auto"):
+        core = choose_core(H, L)
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     K = max(1, min(64, -(-ROTATE_BYTES // per_call)))          # calls per graph, disjoint pages
@@ -91,7 +94,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--core", default=None, choices=("mma", "wgmma"))
+    ap.add_argument("--core", default=None, choices=("auto", "mma", "wgmma"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split-count sweep")
     args = ap.parse_args(argv)

@@ -62,3 +62,12 @@ def test_split_choice(B, L, H):
     assert B * s <= 132 or s == 1                # one wave of CTAs
     if B == 1 and L >= 8192:
         assert s >= 64                           # small batch: spread a long context wide
+
+
+def test_choose_core_follows_the_h200_measurements():
+    # wgmma pads every H to 64 rows: only long contexts with H > 16 repay it (cutedsl docstring)
+    assert mc.choose_core(32, 8192) == "wgmma"
+    assert mc.choose_core(32, 131072) == "wgmma"
+    assert mc.choose_core(32, 1024) == "mma"
+    assert mc.choose_core(12, 131072) == "mma"
+    assert mc.choose_core(32, None) == "mma"        # unknown length (captured, num_splits only)

@@ -33,14 +33,17 @@ splits of two tiles each, the first-tile latency of every CTA plus a second laun
 flight, fp8 QK/PV with a quantized query, and a fused split combine (last CTA per request merges)
 to drop the second launch.
 
-Cores: this module's `MlaDecodeKernel` (mma.sync, above; core="mma", the default) and the
-warpgroup-MMA core in wgmma.py (`MlaDecodeWgmmaKernel`, core="wgmma": 64-row wgmma with Q in
-smem, S and P in registers, a warp-specialized TMA producer over a 2-stage ring). Both take the
-same arguments and share the split choice, the combine and the host launcher; pass
-`core=` to compile_main / mla_decode_cutedsl or set PDSERVE_MLA_CORE. The wgmma core compiles
-for sm_90a but has NOT been run on a GPU yet: once tests/gpu/test_mla_decode_gpu.py passes for it
-and benchmarks/mla_decode.py --core wgmma beats this core, make it the default and delete
-MlaDecodeKernel (and the fp8_f16 option, which only this core has).
+Cores: this module's `MlaDecodeKernel` (mma.sync, above; core="mma") and the warpgroup-MMA core
+in wgmma.py (`MlaDecodeWgmmaKernel`, core="wgmma": 64-row wgmma with Q in smem, S and P in
+registers, a warp-specialized TMA producer over a 2-stage ring). Both take the same arguments and
+share the split choice, the combine and the host launcher. `choose_core` picks per call (core=None
+and PDSERVE_MLA_CORE unset or "auto"): mma.sync pads the heads to 16 or 32 rows, wgmma to 64, so
+wgmma only pays off where H > 16 and the contexts are long. H200, session 5 (all 53 wgmma GPU
+tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside mla_decode_h200.json), us:
+    bf16 H=32:  B=1 L=8K 17.4 (mma 19.0), B=8 L=32K 97.7 (102.5), B=8 L=128K 324.9 (362.2),
+                B=64 L=8K 182.0 (196.8), B=64 L=32K 640.0 (711.4); L=1K 13.6-41.6 (10.4-41.1)
+    bf16 H=12:  mma faster in every cell (e.g. B=64 L=32K 603.6 vs 613.7, B=1 L=1K 9.1 vs 11.9)
+    fp8  H=32:  wgmma faster from L=8K on (B=64 L=32K 818.8 vs 941.9); fp8 H=12: mma faster.
 """
 from __future__ import annotations
 
@@ -629,15 +632,27 @@ def _fake_args_main(k: MlaDecodeKernel):
 FP8_F16 = False
 
 
-# attention core: "mma" (MlaDecodeKernel, mma.sync; verified on the H200) or "wgmma"
-# (wgmma.MlaDecodeWgmmaKernel; compiles, not yet run on a GPU)
+# attention core: "mma" (MlaDecodeKernel, mma.sync) or "wgmma" (wgmma.MlaDecodeWgmmaKernel);
+# "auto" lets choose_core pick per call
 CORES = ("mma", "wgmma")
-CORE = os.environ.get("PDSERVE_MLA_CORE", "mma")
+CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
+WGMMA_MIN_HEADS = 17          # mma.sync pads H <= 16 to 16 rows, wgmma every H to 64
+WGMMA_MIN_SEQ = 8192          # below this the per-tile latency, not the MMA rate, decides
+
+
+def choose_core(heads: int, max_seq_len: int | None) -> str:
+    """The faster core on the H200 for this shape (module docstring); "mma" when the context
+    length is unknown (a captured call that passed num_splits only)."""
+    if max_seq_len is not None and heads >= WGMMA_MIN_HEADS and max_seq_len >= WGMMA_MIN_SEQ:
+        return "wgmma"
+    return "mma"
 
 
 def _core(core: str | None) -> str:
     core = CORE if core is None else core
-    assert core in CORES, f"unknown MLA decode core {core!r} (one of {CORES})"
+    if core == "auto":
+        core = "mma"
+    assert core in CORES, f"unknown MLA decode core {core!r} (one of {CORES} or 'auto')"
     return core
 
 
@@ -709,7 +724,8 @@ def mla_decode_cutedsl(
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
     lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
     split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
-    ("mma" / "wgmma"; default CORE, from PDSERVE_MLA_CORE)."""
+    ("mma" / "wgmma"; default CORE, from PDSERVE_MLA_CORE, whose default "auto" asks
+    choose_core with max_seq_len or, when num_splits is not given either, seq_lens.max())."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -723,9 +739,12 @@ def mla_decode_cutedsl(
     assert fp8 or kv_cache.dtype == torch.bfloat16
     hp = h_pad_for(H)
     num_pages, page_tokens, _ = kv_cache.shape
+    msl = int(max_seq_len) if max_seq_len is not None else None
     if num_splits is None:
-        msl = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max().item())
+        msl = msl if msl is not None else int(seq_lens.max().item())
         num_splits = choose_num_splits(B, msl, H)
+    if core is None and CORE == "auto":
+        core = choose_core(H, msl)
     assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device

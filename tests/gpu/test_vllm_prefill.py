@@ -6,8 +6,9 @@ pipes, sending msgspec Structs msgpack-encoded, and never touches CUDA. Every wa
 and a failure names the process and the stage that failed, with the child's traceback.
 
 Weights: seeded pdserve weights written as an HF directory by the functions `pdserve export`
-calls (`full_state` + `save_checkpoint`), in bf16 so vLLM (dtype=bfloat16) and pdserve's decode
-load bit-identical values. Both sides load the same directory.
+calls (`full_state` + `save_checkpoint`), in the test dtype (vllm_fixtures.DTYPE: fp16 unless
+PDSERVE_VLLM_TEST_DTYPE says otherwise) so vLLM and pdserve's decode, both running in it, load
+bit-identical values. Both sides load the same directory.
 
 - tiny, prompts of 5 / 70 / 300 tokens: vLLM's own monolithic greedy generation (plain `vllm.LLM`,
   no connector) of 16 tokens == VllmPrefill's first token (vLLM + PdserveConnector, max_tokens=1)
@@ -26,7 +27,8 @@ load bit-identical values. Both sides load the same directory.
   never-read requests than the cache can hold at once all complete (blocks are recycled).
 
 Run on the H200: python3 -m pytest -q -x tests/gpu/test_vllm_prefill.py
-PDSERVE_VLLM_TEST_DECODE_DTYPE=float32 runs pdserve's decode in fp32 (default bfloat16, as vLLM).
+PDSERVE_VLLM_TEST_DTYPE=bfloat16 runs both engines in bf16 (default float16: see vllm_fixtures.DTYPE);
+PDSERVE_VLLM_TEST_DECODE_DTYPE=float32 runs pdserve's decode alone in fp32.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import torch
 
 from pdserve.model.weights import export_checkpoint
 from pdserve.prefill.child import Child, serve_child
-from vllm_fixtures import (CHILD_ENV, GPU_MEM, MAX_MODEL_LEN, NUM_GPU_BLOCKS, SEED, TIE,  # noqa: F401
+from vllm_fixtures import (CHILD_ENV, DTYPE, GPU_MEM, MAX_MODEL_LEN, NUM_GPU_BLOCKS, SEED, TIE,  # noqa: F401
                            TINY_LENGTHS, TINY_TOKENS, TINY_VLLM, VLLM_MARKS, dense_logprobs,
                            divergence_failure, first_divergence, make_prompts, reference_kwargs,
                            reference_main, top2_margin)
@@ -49,9 +51,9 @@ START_S = 600             # vLLM start-up (import, weights, profiling) per engin
 CALL_S = 180              # any other command
 KIMI_LENGTHS = (5, 70, 300)
 LOGIT_TOL = 1e-2
-TINY_LOGIT_TOL = 2e-2     # tiny in bf16 end to end, every step (kimi: the first step, LOGIT_TOL)
+TINY_LOGIT_TOL = 2e-2     # tiny end to end, every step (kimi: the first step, LOGIT_TOL)
 FAULT_LEASE_S = 8.0
-DECODE_DTYPE = os.environ.get("PDSERVE_VLLM_TEST_DECODE_DTYPE", "bfloat16")
+DECODE_DTYPE = os.environ.get("PDSERVE_VLLM_TEST_DECODE_DTYPE", DTYPE)
 
 pytestmark = VLLM_MARKS
 
@@ -161,7 +163,8 @@ def decode_main(conn, model_dir: str, layout: dict, dtype: str, num_pages: int, 
 
 # == orchestration helpers =========================================================================
 def prefill_cfg(model_dir: str, lease_s: float = 30.0) -> dict:
-    return dict(model=str(model_dir), max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=GPU_MEM,
+    return dict(model=str(model_dir), dtype=DTYPE, max_model_len=MAX_MODEL_LEN,
+                gpu_memory_utilization=GPU_MEM,
                 num_gpu_blocks=NUM_GPU_BLOCKS, enforce_eager=True, lease_s=lease_s,
                 rpc_timeout_s=60.0)
 
@@ -224,7 +227,8 @@ def held_ids(pre: Child) -> set[str]:
 def kimi_dir(tmp_path_factory):
     from pdserve.model.config import reduced_kimi_linear
     config = reduced_kimi_linear(num_layers=4, num_experts=4, top_k=2, vocab_size=1024)
-    return str(export_checkpoint(str(tmp_path_factory.mktemp("kimi-hf")), config, seed=SEED))
+    return str(export_checkpoint(str(tmp_path_factory.mktemp("kimi-hf")), config, seed=SEED,
+                                 dtype=getattr(torch, DTYPE)))
 
 
 # == tests =========================================================================================
