@@ -52,7 +52,8 @@ def test_wgmma_core_compiles(kv_fp8, page_tokens, tmp_path):
 
 
 def test_combine_kernel_compiles():
-    assert mc.compile_combine() is mc.compile_combine()
+    for shape in (mc.COMBINE_NARROW, mc.COMBINE_WIDE):
+        assert mc.compile_combine(shape) is mc.compile_combine(shape)
 
 
 @pytest.mark.parametrize("B,L,H", [(1, 1, 12), (1, 8192, 32), (64, 131072, 32), (8, 1000, 12)])

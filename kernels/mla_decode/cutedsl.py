@@ -22,16 +22,24 @@ LSE = -inf only, and the combine skips it.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
-Status on the H200 (benchmarks/results/mla_decode_h200.json, CUDA-graph medians): bf16 reaches
-72-97 % of the 4245 GB/s copy floor where B x L >= 256K tokens except H=32, B=8, L=32K (69 %);
-one CTA per SM keeps one 74 KB tile in flight, and the per-tile MMA + softmax chain (~2.7 us
-per tile and CTA when streaming) is what limits H=32 and every fp8 case (fp8 halves the bytes but
-not that chain: 26-38 % of the fp8 floor). B=1, L=8K takes ~16-19 us (target 10): with 64
-splits of two tiles each, the first-tile latency of every CTA plus a second launch (the combine,
-~4 dependent DRAM round trips since it reads with 4 split groups) dominate. Next steps: wgmma
-(64-row, Q from smem, S in registers) with a warp-specialized TMA producer and 2-3 tiles in
-flight, fp8 QK/PV with a quantized query, and a fused split combine (last CTA per request merges)
-to drop the second launch.
+Status on the H200, session 5 (benchmarks/results/mla_decode_h200_auto.json: `choose_core` per
+cell, at least 16 calls per CUDA graph, PDL and the wide combine below; CUDA-graph medians):
+  * bf16 H=12 reaches 86-96 % of the 4245 GB/s copy floor where B x L >= 256K tokens; H=32
+    74-79 %, and its large wgmma cells vary from run to run (B=64 L=128K: 2634.9 us = 86 % as
+    one call per graph, 2908.6 and 3060.2 us = 78 % / 74 % with 16 back-to-back calls; spreads
+    of 0.6-0.8 ms within one cell), which looks like clocks dropping under sustained load (not
+    yet checked with clock readings).
+  * fp8 stays at 32-38 % of its floor: the per-tile MMA + softmax chain (~2.7 us per tile and CTA
+    when streaming), not the bytes, limits it, and halving the bytes does not shorten it.
+  * B=1, L=8K: 11.2 us at H=12, 13.9 at H=32 (target 10; 16.8 / 19.0 before this session).
+    The combine used to be ~4 dependent DRAM round trips in H CTAs after a second launch gap:
+    now every kernel is launched with PDL and triggers its dependents on entry (the next launch
+    overlaps the running one), and many splits (`choose_combine`) spread each head over 4 CTAs
+    of 16 split groups. Both together took B=1 L=8K H=12 from 14.7 to 11.2 us and L=32K from
+    25.0 to 18.6 us. Split counts 64-132 are within 0.3 us of each other at L=8K.
+  * Next steps: a fused combine (branch mla-fused-combine, one launch: 13.6 us before the
+    changes above), fp8 QK with a quantized query, and a swap-AB formulation (tokens as the MMA's
+    M) so that H <= 32 heads do not pad every MMA to 64 rows.
 
 Cores: this module's `MlaDecodeKernel` (mma.sync, above; core="mma") and the warpgroup-MMA core
 in wgmma.py (`MlaDecodeWgmmaKernel`, core="wgmma": 64-row wgmma with Q in smem, S and P in
@@ -200,7 +208,7 @@ class MlaDecodeKernel:
             mQ, mKV, mBT, mSeq, mO, mLse, mOp, mLsep, num_splits, scale_log2, out_scale,
             sQ_layout, sKV_layout, sKV_staged, sRaw_staged, sP_layout, sStat_layout,
             copy_bf16, copy_kv, copy_cvt, tiled_mma, SharedStorage,
-        ).launch(grid=(num_splits, batch, 1), block=(nt, 1, 1), stream=stream)
+        ).launch(grid=(num_splits, batch, 1), block=(nt, 1, 1), stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------------------------------
     @cute.kernel
@@ -224,6 +232,10 @@ class MlaDecodeKernel:
         warp_n = tidx // (32 * self.mw)
         heads = mQ.shape[1]
 
+        # PDL both ways: the combine may become resident now (it waits for our partials), and
+        # nothing here is read or written before the previous kernel in the stream completed
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
         seqlen = mSeq[b]
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tiles_per_split = (n_tiles + num_splits - 1) // num_splits
@@ -502,19 +514,33 @@ class MlaDecodeKernel:
 class CombineKernel:
     """out[b, h] = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max lse); lse = max + ln sum w.
 
-    One CTA per (head, request): GROUPS groups of 128 threads, each thread 4 output columns. The
-    request's non-empty splits are the first ceil(n_tiles / tiles_per_split) (the same split of
-    tiles as the main kernel), so empty ones are never read. LSEs and weights are reduced
-    block-wide through shared memory. Group g accumulates splits g, g + GROUPS, ... with UNROLL
-    loads in flight per thread, and the groups' partial sums are added in a fixed order. The
-    combine is latency-bound (B = 1 has only H CTAs): with one group and 4 loads in flight, 128
-    splits took ~32 dependent DRAM round trips (~20 us on the H200); now ~4."""
+    One CTA per (head, request, column chunk): `groups` groups of D_V / 4 / `chunks` threads, each
+    thread 4 output columns of its chunk. The request's non-empty splits are the first
+    ceil(n_tiles / tiles_per_split) (the same split of tiles as the main kernel), so empty ones
+    are never read. LSEs and weights are reduced block-wide through shared memory (every chunk's
+    CTA does it for itself). Group g accumulates splits g, g + groups, ... with UNROLL loads in
+    flight per thread, and the groups' partial sums are added in a fixed order.
 
-    cols = D_V // 4               # threads per group (4 columns each)
-    groups = 4
+    The combine is latency-bound at small batch (B = 1 has only H CTAs per chunk): with one group
+    and 4 loads in flight, 128 splits took ~32 dependent DRAM round trips (~20 us on the H200);
+    with 4 groups, ~4. Many splits (`choose_combine`) take 4 column chunks of 16 groups: 4x the
+    CTAs, each reading a quarter of the bytes, one round trip of loads per thread.
+
+    Every kernel here is launched with programmatic dependent launch (PDL) and triggers its
+    dependents on entry, then waits (griddepcontrol.wait) before its first global access: the
+    next grid becomes resident while the current one runs (the launch latency is hidden), and
+    no read or write moves ahead of the kernel before it, so callers need no extra contract."""
+
     unroll = 8
-    num_threads = cols * groups
     max_splits = 1024
+
+    def __init__(self, chunks: int = 1, groups: int = 4):
+        assert (D_V // 4) % chunks == 0 and groups >= 1, (chunks, groups)
+        self.chunks = chunks
+        self.groups = groups
+        self.cols = D_V // 4 // chunks                # threads per group (4 columns each)
+        self.num_threads = self.cols * groups
+        assert self.num_threads % 32 == 0 and self.num_threads <= 1024, self.num_threads
 
     @cute.jit
     def __call__(self, op_ptr: cute.Pointer, lsep_ptr: cute.Pointer, o_ptr: cute.Pointer,
@@ -531,21 +557,24 @@ class CombineKernel:
         mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
         mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
         nwarps = self.num_threads // 32
+        chunk_cols = 4 * self.cols
 
         @cute.struct
         class SharedStorage:
             sW: cute.struct.Align[cute.struct.MemRange[Float32, self.max_splits], 16]
             sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * nwarps], 16]
-            sAcc: cute.struct.Align[cute.struct.MemRange[Float32, (self.groups - 1) * D_V], 16]
+            sAcc: cute.struct.Align[cute.struct.MemRange[Float32, (self.groups - 1) * chunk_cols
+                                                         if self.groups > 1 else 4], 16]
 
         self.kernel(mOp, mLsep, mO, mLse, mSeq, num_splits, SharedStorage).launch(
-            grid=(heads, batch, 1), block=(self.num_threads, 1, 1), stream=stream)
+            grid=(heads, batch, self.chunks), block=(self.num_threads, 1, 1), stream=stream,
+            use_pdl=True)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLsep: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
                mSeq: cute.Tensor, num_splits: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
-        h, b, _ = cute.arch.block_idx()
+        h, b, chunk = cute.arch.block_idx()
         lane = tidx % 32
         wid = tidx // 32
         nwarps = self.num_threads // 32
@@ -553,8 +582,13 @@ class CombineKernel:
         storage = smem.allocate(SharedStorage)
         sW = storage.sW.get_tensor(cute.make_layout((self.max_splits,)))
         sRed = storage.sRed.get_tensor(cute.make_layout((2 * nwarps,)))
-        sAcc = storage.sAcc.get_tensor(cute.make_layout((self.groups - 1, D_V), stride=(D_V, 1)))
+        sAcc = storage.sAcc.get_tensor(cute.make_layout((max(1, self.groups - 1), 4 * self.cols),
+                                                        stride=(4 * self.cols, 1)))
 
+        # the next kernel in the stream may launch now; everything read here (seq_lens too) is
+        # read after the main kernel completed
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
         n_tiles = (mSeq[b] + (TILE_N - 1)) // TILE_N
         tps = (n_tiles + num_splits - 1) // num_splits
         n_valid = (n_tiles + tps - 1) // tps
@@ -588,12 +622,13 @@ class CombineKernel:
         for w in cutlass.range_constexpr(1, nwarps):
             den = den + sRed[nwarps + w]
 
-        col = tidx % self.cols
+        col = tidx % self.cols                  # 4-column tile within the chunk
+        gcol = chunk * self.cols + col          # 4-column tile within the 512 columns
         grp = tidx // self.cols
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
         for s in cutlass.range(grp, n_valid, self.groups, unroll=self.unroll):
-            part = cute.local_tile(mOp[s, b, h, None], (4,), (col,))
+            part = cute.local_tile(mOp[s, b, h, None], (4,), (gcol,))
             acc.store(acc.load() + part.load() * sW[s])
         if grp > 0:
             cute.local_tile(sAcc[grp - 1, None], (4,), (col,)).store(acc.load())
@@ -602,10 +637,11 @@ class CombineKernel:
             for g in cutlass.range_constexpr(self.groups - 1):
                 acc.store(acc.load() + cute.local_tile(sAcc[g, None], (4,), (col,)).load())
             inv = Float32(1.0) / den
-            gO = cute.local_tile(mO[b, h, None], (4,), (col,))
+            gO = cute.local_tile(mO[b, h, None], (4,), (gcol,))
             gO.store((acc.load() * inv).to(BFloat16))
             if tidx == 0:
-                mLse[b, h] = m + cute.math.log2(den, fastmath=False) * LN_2
+                if chunk == 0:
+                    mLse[b, h] = m + cute.math.log2(den, fastmath=False) * LN_2
 
 
 # ================================================================================================
@@ -687,15 +723,26 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | Non
     return _COMPILED[key][1]
 
 
-def compile_combine():
-    """Compiled LSE combine kernel (cached for the process)."""
-    key = ("combine",)
+# combine shapes (column chunks, groups): few splits read little per (request, head); many splits
+# (B = 1 long contexts) spread each head over 4 CTAs of 16 groups
+COMBINE_NARROW = (1, 4)
+COMBINE_WIDE = (4, 16)
+COMBINE_WIDE_MIN_SPLITS = 32
+
+
+def choose_combine(num_splits: int) -> tuple[int, int]:
+    return COMBINE_WIDE if num_splits >= COMBINE_WIDE_MIN_SPLITS else COMBINE_NARROW
+
+
+def compile_combine(shape: tuple[int, int] = COMBINE_NARROW):
+    """Compiled LSE combine kernel for (column chunks, groups) (cached for the process)."""
+    key = ("combine",) + tuple(shape)
     if key not in _COMPILED:
         from cutlass.cute.runtime import make_ptr
         from cutlass.runtime import make_fake_stream
         G = cute.AddressSpace.gmem
         P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
-        k = CombineKernel()
+        k = CombineKernel(*shape)
         _COMPILED[key] = (k, cute.compile(k, P(Float32), P(Float32), P(BFloat16), P(Float32),
                                           P(Int32), Int32(1), Int32(1), Int32(2),
                                           make_fake_stream()))
@@ -770,7 +817,7 @@ def mla_decode_cutedsl(
          Int32(B), Int32(H), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
          Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
     if num_splits > 1:
-        comb = compile_combine()
+        comb = compile_combine(choose_combine(num_splits))
         comb(P(Float32, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
              P(Int32, seq_lens), Int32(B), Int32(H), Int32(num_splits), stream)
     return out, lse

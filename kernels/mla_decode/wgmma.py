@@ -193,7 +193,7 @@ class MlaDecodeWgmmaKernel:
             num_splits, scale_log2, out_scale, sQ_layout, sK_layout, sV_layout, sRaw_layout,
             copy_q, copy_cvt, SharedStorage,
         ).launch(grid=(num_splits, batch, 1), block=(self.num_threads, 1, 1), stream=stream,
-                 min_blocks_per_mp=1)
+                 min_blocks_per_mp=1, use_pdl=True)
 
     # ------------------------------------------------------------------------------------------
     @cute.kernel
@@ -214,6 +214,10 @@ class MlaDecodeWgmmaKernel:
         heads = mQ.shape[1]
         tpp = self.tiles_per_page
 
+        # PDL both ways: the combine may become resident now (it waits for our partials), and
+        # nothing here is read or written before the previous kernel in the stream completed
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
         seqlen = mSeq[b]
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tiles_per_split = (n_tiles + num_splits - 1) // num_splits
