@@ -28,6 +28,7 @@ from pdserve.transfer.dest import TransferConfig
 log = logging.getLogger("pdserve.serve")
 
 VLLM_FACTORY = "pdserve.prefill.vllm_engine:VllmPrefill"
+SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 
 
 def _init_ray(cfg: ServeConfig, address: str | None) -> None:
@@ -39,6 +40,12 @@ def _init_ray(cfg: ServeConfig, address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
         return
+    if cfg.prefill.engine == "vllm":
+        # vLLM's engine core and TP workers are processes of the engine actor: if the actor dies
+        # without closing them (killed, crashed), the raylet reaps them (Ray's subreaper, Linux)
+        # instead of leaving them holding GPU memory. A cluster started by `ray start` needs the
+        # same variable set there (docs/vllm.md).
+        os.environ.setdefault(SUBREAPER_ENV, "true")
     need = cfg.num_ranks * cfg.resources.cpus_per_rank
     ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False)

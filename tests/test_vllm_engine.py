@@ -10,7 +10,7 @@ import pytest
 from pdserve.model.config import load_config, preset
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.vllm_engine import (
-    VllmEngineConfig, engine_args, result_from_output, vllm_sampling_kwargs)
+    HandleBook, VllmEngineConfig, engine_args, result_from_output, vllm_sampling_kwargs)
 from pdserve.prefill.vllm_state import PrefillExport, encode_export
 from pdserve.state.block_table import Topology
 from pdserve.state.layout import RankShapes, StateLayout
@@ -24,6 +24,20 @@ def test_engine_module_imports_without_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "PdserveConnector"
+
+
+def test_handle_book_drops_only_old_entries_no_worker_holds():
+    book = HandleBook(min_age_s=10.0)
+    book.add("read", "v-read", now=0.0)        # read by the decode side: freed by the workers
+    book.add("held", "v-held", now=0.0)        # still leased (e.g. renewed while queued)
+    book.add("young", "v-young", now=95.0)     # recorded just now, lease maybe not registered yet
+    assert book.prune({"v-held"}, now=100.0) == ["read"]
+    assert len(book) == 2
+    assert book.get("held", "p0") == "v-held"
+    with pytest.raises(KeyError, match="prefill instance p0 holds no state for request 'read'"):
+        book.get("read", "p0")
+    assert book.prune({"v-held"}, now=105.0) == ["young"]
+    assert book.pop("held") == "v-held" and book.pop("held") is None and len(book) == 0
 
 
 def test_engine_args_configure_the_connector_as_a_producer():

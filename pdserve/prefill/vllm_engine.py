@@ -147,6 +147,48 @@ def result_from_output(req: Request, params: SamplingParams, instance: str, gene
         params, export.num_tokens, export.lease_deadline, finished))
 
 
+class HandleBook:
+    """Our request id -> vLLM's request id (the key of its lease in vLLM's workers), with when it
+    was recorded. vLLM's workers free a request's blocks themselves (the decode side's done, the
+    lease, an abort), so entries whose request no worker holds any more are dropped by `prune`;
+    only entries older than `min_age_s` go, so one recorded just before the workers registered
+    its lease stays."""
+
+    def __init__(self, min_age_s: float):
+        self.min_age_s = min_age_s
+        self._ids: dict[str, tuple[str, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, request_id: str, vllm_id: str, now: float) -> None:
+        self._ids[request_id] = (vllm_id, now)
+
+    def pop(self, request_id: str) -> str | None:
+        entry = self._ids.pop(request_id, None)
+        return None if entry is None else entry[0]
+
+    def get(self, request_id: str, instance: str) -> str:
+        entry = self._ids.get(request_id)
+        if entry is None:
+            raise KeyError(f"prefill instance {instance} holds no state for request "
+                           f"{request_id!r} (never prefilled here, or already read, cancelled or "
+                           f"expired)")
+        return entry[0]
+
+    def prune(self, held: set[str], now: float) -> list[str]:
+        """Drop (and return) our ids whose vLLM request is in no worker's `held` set and that
+        were recorded at least min_age_s ago."""
+        gone = [rid for rid, (vid, t) in self._ids.items()
+                if vid not in held and now - t >= self.min_age_s]
+        for rid in gone:
+            del self._ids[rid]
+        return gone
+
+
+PRUNE_S = 10.0   # how often poll() asks the workers what they hold, and the minimum entry age
+
+
 class VllmPrefill:
     """A prefill instance running stock vLLM (TP = `cfg.tp` workers inside vLLM)."""
 
@@ -159,7 +201,8 @@ class VllmPrefill:
         self.instance, self.generation, self.cfg = instance, generation, cfg
         self.config = load_config(cfg.model)
         self.llm = LLM(**engine_args(instance, generation, cfg))
-        self.handles: dict[str, str] = {}  # our request id -> vLLM request id (lease key)
+        self.handles = HandleBook(PRUNE_S)
+        self._pruned = time.monotonic()
 
     def _rpc(self, method: str, *args) -> list:
         return self.llm.collective_rpc(method, timeout=self.cfg.rpc_timeout_s, args=args)
@@ -207,25 +250,32 @@ class VllmPrefill:
             res = result_from_output(req, p, self.instance, self.generation, int(c.token_ids[0]),
                                      c.finish_reason, out.kv_transfer_params)
             if res.handle is not None:
-                self.handles[req.request_id] = res.handle.manifest.request_id
+                self.handles.add(req.request_id, res.handle.manifest.request_id,
+                                 time.monotonic())
                 if res.handle.finished:  # nothing to transfer: free vLLM's blocks now
                     self.cancel(req.request_id)
             results.append(res)
         return results
 
     def poll(self) -> list[tuple[str, str]]:
-        """vLLM's workers free state themselves (done / lease expiry); nothing to drive here."""
+        """vLLM's workers free state themselves (done / lease expiry); every PRUNE_S this drops
+        the handles of requests they no longer hold, so the book does not grow with traffic."""
+        now = time.monotonic()
+        if len(self.handles) and now - self._pruned >= PRUNE_S:
+            self._pruned = now
+            self.handles.prune({r for rank in self._rpc("pdserve_held") for r in rank}, now)
         return []
 
     def cancel(self, request_id: str) -> bool:
-        vllm_id = self.handles.pop(request_id, None)
+        vllm_id = self.handles.pop(request_id)
         return vllm_id is not None and any(self._rpc("pdserve_cancel", vllm_id))
 
     def renew(self, request_id: str, lease_s: float) -> float:
-        return min(self._rpc("pdserve_renew", self.handles[request_id], lease_s))
+        return min(self._rpc("pdserve_renew", self.handles.get(request_id, self.instance), lease_s))
 
     def digests(self, request_id: str, runs, rank: int = 0) -> list[int]:
-        return self._rpc("pdserve_digests", self.handles[request_id], list(runs))[rank]
+        return self._rpc("pdserve_digests", self.handles.get(request_id, self.instance),
+                         list(runs))[rank]
 
     def stats(self) -> dict:
         held = self._rpc("pdserve_held")
