@@ -40,7 +40,16 @@ PDL, CUDA-graph medians (raw sweep: benchmarks/results/kda_sweep_h200.json):
    96   1   3.08    7.1/5.0      7.1/5.0      7.3/5.5      8.2/6.4      7.1/5.7      7.5/5.8
    96  64 197.15  212.3/209.9  211.5/209.8  213.5/213.3  312.6/309.2  229.1/234.7  231.5/229.4
 Each CTA serializes its wave's state load, compute and store, and 2 vs 3 CTAs per SM did not change
-that; the next step is a persistent kernel that prefetches the next head's state while it computes.
+that. A persistent C = 1 grid (2 CTAs/SM) that bulk-copies the next head's state into shared memory
+while it computes the current one (branch kda-persistent, not merged) was measured on the H200 on
+2026-11-29 (session 5), us plain / PDL:
+    H   B  floor    c1           persistent
+   12  64  24.13   30.8/30.0    33.5/30.7
+   32  64  64.34   74.0/72.9    81.6/77.7
+   96  64 193.01  211.7/211.1  230.4/227.2
+slower everywhere, so the wave bubbles are not what separates H = 12, B = 64 from the floor. Time
+fits ~4 us + floor / 0.93 across H and B (results/kda_decode_h200_min32calls.json, 32 calls per
+graph), and C = 1 already uses 128 registers per thread (the 2-CTA/SM limit).
 """
 from __future__ import annotations
 
