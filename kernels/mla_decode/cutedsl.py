@@ -77,6 +77,30 @@ def _swizzled_atom(cols: int):
         cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, cols), stride=(cols, 1)))
 
 
+def query_tensors(q_ptr, bt_ptr, batch, heads, max_pages):
+    """mQ [B, H, 576] and the block table [B, max_pages] over the launch's pointers (both cores)."""
+    mQ = cute.make_tensor(q_ptr, cute.make_layout(
+        (batch, heads, D_QK), stride=(cute.assume(heads * D_QK, divby=64), D_QK, 1)))
+    mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+    return mQ, mBT
+
+
+def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_splits):
+    """(mO [B, H, 512], mLse [B, H], mOp [S, B, H, 512], mLsep [S, B, H], mSeq [B]): the final and
+    the per-split outputs as both cores write them and the combine reads them."""
+    mO = cute.make_tensor(o_ptr, cute.make_layout(
+        (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
+    mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
+    mOp = cute.make_tensor(op_ptr, cute.make_layout(
+        (num_splits, batch, heads, D_V),
+        stride=(cute.assume(batch * heads * D_V, divby=64),
+                cute.assume(heads * D_V, divby=64), D_V, 1)))
+    mLsep = cute.make_tensor(lsep_ptr, cute.make_layout(
+        (num_splits, batch, heads), stride=(batch * heads, heads, 1)))
+    mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
+    return mO, mLse, mOp, mLsep, mSeq
+
+
 class MlaDecodeKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32), page size."""
 
@@ -129,21 +153,11 @@ class MlaDecodeKernel:
     ):
         hp = self.h_pad
         cdt = self.cdt
-        mQ = cute.make_tensor(q_ptr, cute.make_layout(
-            (batch, heads, D_QK), stride=(cute.assume(heads * D_QK, divby=64), D_QK, 1)))
+        mQ, mBT = query_tensors(q_ptr, bt_ptr, batch, heads, max_pages)
         mKV = cute.make_tensor(kv_ptr, cute.make_layout(
             (num_pages, self.page_tokens, D_QK), stride=(self.page_tokens * D_QK, D_QK, 1)))
-        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
-        mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
-        mO = cute.make_tensor(o_ptr, cute.make_layout(
-            (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
-        mOp = cute.make_tensor(op_ptr, cute.make_layout(
-            (num_splits, batch, heads, D_V),
-            stride=(cute.assume(batch * heads * D_V, divby=64),
-                    cute.assume(heads * D_V, divby=64), D_V, 1)))
-        mLsep = cute.make_tensor(lsep_ptr, cute.make_layout(
-            (num_splits, batch, heads), stride=(batch * heads, heads, 1)))
+        mO, mLse, mOp, mLsep, mSeq = result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr,
+                                                    batch, heads, num_splits)
 
         # ---- shared memory layouts ----
         sQ_layout = cute.tile_to_shape(_swizzled_atom(64), (hp, D_QK), (0, 1))
@@ -546,16 +560,8 @@ class CombineKernel:
     def __call__(self, op_ptr: cute.Pointer, lsep_ptr: cute.Pointer, o_ptr: cute.Pointer,
                  lse_ptr: cute.Pointer, seq_ptr: cute.Pointer, batch: Int32, heads: Int32,
                  num_splits: Int32, stream):
-        mOp = cute.make_tensor(op_ptr, cute.make_layout(
-            (num_splits, batch, heads, D_V),
-            stride=(cute.assume(batch * heads * D_V, divby=64),
-                    cute.assume(heads * D_V, divby=64), D_V, 1)))
-        mLsep = cute.make_tensor(lsep_ptr, cute.make_layout(
-            (num_splits, batch, heads), stride=(batch * heads, heads, 1)))
-        mO = cute.make_tensor(o_ptr, cute.make_layout(
-            (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
-        mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
+        mO, mLse, mOp, mLsep, mSeq = result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr,
+                                                    batch, heads, num_splits)
         nwarps = self.num_threads // 32
         chunk_cols = 4 * self.cols
 

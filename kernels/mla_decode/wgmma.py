@@ -62,7 +62,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from pdserve.kernels.mla_decode.cutedsl import D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N
+from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, query_tensors,
+                                                result_tensors)
 
 M = 64                      # wgmma rows: the request's heads, padded to 64 with zero queries
 N_WG = 2                    # consumer warpgroups, each owning WG_COLS output columns
@@ -117,22 +118,12 @@ class MlaDecodeWgmmaKernel:
         out_scale: Float32,        # kv_scale (1 for bf16)
         stream,
     ):
-        mQ = cute.make_tensor(q_ptr, cute.make_layout(
-            (batch, heads, D_QK), stride=(cute.assume(heads * D_QK, divby=64), D_QK, 1)))
+        mQ, mBT = query_tensors(q_ptr, bt_ptr, batch, heads, max_pages)
         # the pool as rows: a tile is the 64-row block page * tiles_per_page + t % tiles_per_page
         mKV = cute.make_tensor(kv_ptr, cute.make_layout(
             (num_pages * self.page_tokens, D_QK), stride=(D_QK, 1)))
-        mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
-        mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
-        mO = cute.make_tensor(o_ptr, cute.make_layout(
-            (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
-        mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
-        mOp = cute.make_tensor(op_ptr, cute.make_layout(
-            (num_splits, batch, heads, D_V),
-            stride=(cute.assume(batch * heads * D_V, divby=64),
-                    cute.assume(heads * D_V, divby=64), D_V, 1)))
-        mLsep = cute.make_tensor(lsep_ptr, cute.make_layout(
-            (num_splits, batch, heads), stride=(batch * heads, heads, 1)))
+        mO, mLse, mOp, mLsep, mSeq = result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr,
+                                                    batch, heads, num_splits)
 
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
