@@ -34,7 +34,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "local-tiny.toml"
 
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str = "tiny"               # preset or model directory
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # float16: vLLM engine only
     seed: int = 0                    # seeded weights when the directory has no safetensors
 
 
@@ -179,6 +179,9 @@ def validate(cfg: ServeConfig) -> ModelConfig:
             raise ConfigError(f"state.{field}", str(exc)) from None
     if cfg.prefill.engine == "vllm":
         _validate_vllm(cfg)
+    elif cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype", "float16 is for prefill.engine = \"vllm\" (what its "
+                          "acceptance test runs); pdserve's own engines run float32 or bfloat16")
     if cfg.monolithic:
         # A monolithic rank runs the reference engine's step for prefill and decode alike
         # (pdserve.model.generate.ReferenceEngine): no fused kernels, no captured steps.
@@ -232,9 +235,14 @@ def validate(cfg: ServeConfig) -> ModelConfig:
 # vLLM 0.26's MLA prefill backends accept only Kimi's MLA head geometry (seen on the H200: "No
 # valid MLA prefill backend ... got (qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)").
 VLLM_MLA_DIMS = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
-# The dtypes of vLLM's cache for a bf16 KimiLinear (the decode pools must hold the same).
-VLLM_STATE_DTYPES = {"latent_dtype": "bfloat16", "recurrent_dtype": "float32",
-                     "conv_dtype": "bfloat16"}
+VLLM_MODEL_DTYPES = ("bfloat16", "float16")
+STATE_DTYPE_FIELDS = ("latent_dtype", "recurrent_dtype", "conv_dtype")
+
+
+def vllm_state_dtypes(model_dtype: str) -> dict[str, str]:
+    """The dtypes of vLLM's cache for a KimiLinear in `model_dtype` (the decode pools must hold
+    the same): latent and conv state in the model dtype, the KDA recurrent state in fp32."""
+    return {"latent_dtype": model_dtype, "recurrent_dtype": "float32", "conv_dtype": model_dtype}
 
 
 def _validate_vllm(cfg: ServeConfig) -> None:
@@ -246,10 +254,10 @@ def _validate_vllm(cfg: ServeConfig) -> None:
         raise ConfigError("resources.gpus_per_rank", "prefill.engine = \"vllm\" runs on GPUs "
                           "(each vLLM instance holds prefill.tp of them, and decode reads its "
                           "cache from GPU memory): set gpus_per_rank > 0")
-    if cfg.model.dtype != "bfloat16":
-        raise ConfigError("model.dtype", f"prefill.engine = \"vllm\" runs bfloat16 (vLLM's MLA "
-                          f"kernels need 16-bit activations), got {cfg.model.dtype!r}")
-    for field, want in VLLM_STATE_DTYPES.items():
+    if cfg.model.dtype not in VLLM_MODEL_DTYPES:
+        raise ConfigError("model.dtype", f"prefill.engine = \"vllm\" runs bfloat16 or float16 "
+                          f"(vLLM's MLA kernels need 16-bit activations), got {cfg.model.dtype!r}")
+    for field, want in vllm_state_dtypes(cfg.model.dtype).items():
         got = getattr(cfg.state, field)
         if dtype_of(got) != dtype_of(want):
             raise ConfigError(f"state.{field}", f"must be {want!r} with prefill.engine = "
@@ -293,7 +301,7 @@ def vllm_model_dir(cfg: ServeConfig, model: ModelConfig) -> tuple[Path, bool]:
     if cfg.model.name not in PRESETS and name.is_dir() and any(name.glob("*.safetensors")):
         return name, False
     root = Path(cfg.prefill.vllm.export_dir).expanduser()
-    return root / export_name(cfg.model.name, model, cfg.model.seed), True
+    return root / export_name(cfg.model.name, model, cfg.model.seed, cfg.model.dtype), True
 
 
 def vllm_engine_config(cfg: ServeConfig, model_dir: str | Path):
@@ -321,7 +329,7 @@ def vllm_env(cfg: ServeConfig) -> dict[str, str]:
 def check_vllm_geometry(cfg: ServeConfig, geometry) -> None:
     """vLLM's cache as its workers report it (`KvGeometry`) against what the config says decode
     holds: a mismatch would fail every transfer, so it stops the start-up instead."""
-    for field in VLLM_STATE_DTYPES:
+    for field in STATE_DTYPE_FIELDS:
         if dtype_of(getattr(geometry, field)) != dtype_of(getattr(cfg.state, field)):
             raise ConfigError(f"state.{field}", f"vLLM's cache holds {getattr(geometry, field)}, "
                               f"the config says {getattr(cfg.state, field)!r}")

@@ -63,9 +63,10 @@ def prepare_vllm_model(cfg: ServeConfig, model, progress=print) -> Path:
 
     path, export = vllm_model_dir(cfg, model)
     if export and not (path / "config.json").exists():
-        progress(f"exporting the seeded weights of {cfg.model.name} (seed {cfg.model.seed}) for "
+        progress(f"exporting the seeded weights of {cfg.model.name} (seed {cfg.model.seed}, "
+                 f"{cfg.model.dtype}) for "
                  f"vLLM to {path} (once) ...")
-    return ensure_export(path, model, cfg.model.seed) if export else path
+    return ensure_export(path, model, cfg.model.seed, cfg.model.dtype) if export else path
 
 
 def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -> Router:

@@ -193,6 +193,31 @@ def test_vllm_bad_fields_are_named(tmp_path, tiny_vllm_dir, extra, replace, fiel
     assert words in str(err.value), str(err.value)
 
 
+def test_vllm_in_float16_takes_fp16_state_and_its_own_export(tmp_path, tiny_vllm_dir):
+    from pdserve.cluster.config import vllm_engine_config, vllm_model_dir
+
+    bf16, _ = load_serve_config(_vllm_toml(tmp_path, tiny_vllm_dir))
+    fp16_path = _vllm_toml(tmp_path, tiny_vllm_dir, replace=[("bfloat16", "float16")])
+    cfg, model = load_serve_config(fp16_path)
+    assert (cfg.model.dtype, cfg.state.latent_dtype, cfg.state.conv_dtype,
+            cfg.state.recurrent_dtype) == ("float16", "float16", "float16", "float32")
+    where, export = vllm_model_dir(cfg, model)
+    assert export and where != vllm_model_dir(bf16, model)[0]   # weights differ by format
+    assert vllm_engine_config(cfg, where).dtype == "float16"
+    # fp16 activations with bf16 pools: vLLM's cache would not be what decode holds
+    path = _vllm_toml(tmp_path, tiny_vllm_dir, replace=[("dtype = \"bfloat16\"\n[state]",
+                                                         "dtype = \"float16\"\n[state]")])
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(path)
+    assert err.value.field == "state.latent_dtype" and "must be 'float16'" in str(err.value)
+    # pdserve's own engines do not run float16
+    path = tmp_path / "ref16.toml"
+    path.write_text("[model]\nname = \"tiny\"\ndtype = \"float16\"\n")
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(path)
+    assert err.value.field == "model.dtype" and "prefill.engine = \"vllm\"" in str(err.value)
+
+
 def test_vllm_monolithic_and_models_vllm_cannot_run_are_refused(tmp_path, tiny_vllm_dir):
     path = tmp_path / "m.toml"
     path.write_text("mode = \"monolithic\"\n" + VLLM_OK.format(model=tiny_vllm_dir, tp=1,

@@ -71,21 +71,29 @@ def engine_args(instance: str, generation: int, cfg: VllmEngineConfig) -> dict:
     return args
 
 
-def export_name(name: str, config, seed: int) -> str:
-    """Directory name of an automatic export: the preset, the seed and a hash of the config."""
+EXPORT_TAGS = {"bfloat16": "bf16", "float16": "fp16"}   # the weight format in the export key
+
+
+def export_name(name: str, config, seed: int, dtype: str = "bfloat16") -> str:
+    """Directory name of an automatic export: the preset, the seed and a hash of the config and
+    the weight format."""
     from pdserve.model.weights import hf_config_dict
 
-    key = json.dumps(hf_config_dict(config), sort_keys=True, default=str) + f"|seed={seed}|bf16"
+    key = (json.dumps(hf_config_dict(config), sort_keys=True, default=str)
+           + f"|seed={seed}|{EXPORT_TAGS[dtype]}")
     p = Path(name)
     stem = p.parent.name if p.name == "config.json" else p.name
     return f"{stem}-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def ensure_export(directory: str | Path, config, seed: int, lock_timeout_s: float = 3600.0) -> Path:
-    """`directory` as an HF directory of `config`'s seeded weights in bf16 (what `pdserve export`
-    writes): written once, atomically (a temporary directory renamed into place under a file
-    lock), and reused while it is there. Waits at most `lock_timeout_s` for another process's
-    export (the full 48B model takes minutes)."""
+def ensure_export(directory: str | Path, config, seed: int, dtype: str = "bfloat16",
+                  lock_timeout_s: float = 3600.0) -> Path:
+    """`directory` as an HF directory of `config`'s seeded weights in `dtype` (the layout
+    `pdserve export` writes): written once, atomically (a temporary directory renamed into place
+    under a file lock), and reused while it is there. Waits at most `lock_timeout_s` for another
+    process's export (the full 48B model takes minutes)."""
+    import torch
+
     from pdserve.model.weights import export_checkpoint
 
     out = Path(directory).expanduser()
@@ -110,7 +118,7 @@ def ensure_export(directory: str | Path, config, seed: int, lock_timeout_s: floa
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            export_checkpoint(str(tmp), config, seed=seed)
+            export_checkpoint(str(tmp), config, seed=seed, dtype=getattr(torch, dtype))
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
