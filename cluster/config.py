@@ -25,7 +25,7 @@ import msgspec
 
 from pdserve.model.config import PRESETS, ConfigError, ModelConfig, load_model_config
 from pdserve.state.block_table import Topology
-from pdserve.state.layout import RankShapes, StateLayout, dtype_of
+from pdserve.state.layout import DTYPE_FIELDS, RankShapes, StateLayout, dtype_of
 from pdserve.transfer.errors import TopologyError
 from pdserve.transfer.planner import check_topology, whole_slot_width
 
@@ -172,7 +172,7 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                               f"{getattr(cfg.resources, field)}")
     if not 0 < cfg.api.port < 65536:
         raise ConfigError("api.port", f"must be in 1..65535, got {cfg.api.port}")
-    for field in ("latent_dtype", "recurrent_dtype", "conv_dtype"):
+    for field in DTYPE_FIELDS:
         try:
             dtype_of(getattr(cfg.state, field))
         except ValueError as exc:
@@ -236,7 +236,6 @@ def validate(cfg: ServeConfig) -> ModelConfig:
 # valid MLA prefill backend ... got (qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)").
 VLLM_MLA_DIMS = {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 VLLM_MODEL_DTYPES = ("bfloat16", "float16")
-STATE_DTYPE_FIELDS = ("latent_dtype", "recurrent_dtype", "conv_dtype")
 
 
 def vllm_state_dtypes(model_dtype: str) -> dict[str, str]:
@@ -329,7 +328,7 @@ def vllm_env(cfg: ServeConfig) -> dict[str, str]:
 def check_vllm_geometry(cfg: ServeConfig, geometry) -> None:
     """vLLM's cache as its workers report it (`KvGeometry`) against what the config says decode
     holds: a mismatch would fail every transfer, so it stops the start-up instead."""
-    for field in STATE_DTYPE_FIELDS:
+    for field in DTYPE_FIELDS:
         if dtype_of(getattr(geometry, field)) != dtype_of(getattr(cfg.state, field)):
             raise ConfigError(f"state.{field}", f"vLLM's cache holds {getattr(geometry, field)}, "
                               f"the config says {getattr(cfg.state, field)!r}")

@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 
 from pdserve.state.block_table import Topology
-from pdserve.state.layout import RankShapes, StateLayout, dtype_of
+from pdserve.state.layout import DTYPE_FIELDS, RankShapes, StateLayout, dtype_of
 from pdserve.state.manifest import StateManifest
 
 from pdserve.transfer.errors import TopologyError
@@ -149,7 +149,7 @@ def plan_transfer(manifest: StateManifest, dst: DestAllocation,
     """The reads that move `manifest`'s request into `dst` (all destination ranks, or `ranks`)."""
     src_topo, dst_topo, src = manifest.topology, dst.topology, manifest.shapes
     check_topology(src, src_topo, dst_topo)
-    for field in ("latent_dtype", "recurrent_dtype", "conv_dtype"):
+    for field in DTYPE_FIELDS:
         if getattr(manifest.layout, field) != getattr(dst.layout, field):
             raise TopologyError(f"{field}: source {getattr(manifest.layout, field)} != "
                                 f"destination {getattr(dst.layout, field)} (no conversion in flight)")

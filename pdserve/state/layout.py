@@ -32,6 +32,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported dtype {dtype}")
 
 
+# the StateLayout fields that name a pool dtype (checked, fingerprinted and matched as a set)
+DTYPE_FIELDS = ("latent_dtype", "recurrent_dtype", "conv_dtype")
+
+
 class StateLayout(msgspec.Struct, frozen=True):
     """How cached state is stored. Part of the model fingerprint."""
 
@@ -51,7 +55,7 @@ class StateLayout(msgspec.Struct, frozen=True):
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
         if self.conv_staging_width < 1:
             raise ValueError(f"conv_staging_width must be >= 1, got {self.conv_staging_width}")
-        for field in ("latent_dtype", "recurrent_dtype", "conv_dtype"):
+        for field in DTYPE_FIELDS:
             dtype_of(getattr(self, field))
         if self.conv_layout not in ("SD", "DS"):
             raise ValueError(f"conv_layout must be 'SD' or 'DS', got {self.conv_layout!r}")

@@ -8,7 +8,7 @@ import json
 import msgspec
 
 from pdserve.state.block_table import BlockTable, Topology
-from pdserve.state.layout import RankShapes, StateLayout, dtype_of
+from pdserve.state.layout import DTYPE_FIELDS, RankShapes, StateLayout, dtype_of
 
 
 def model_fingerprint(config, layout: StateLayout) -> str:
@@ -17,7 +17,7 @@ def model_fingerprint(config, layout: StateLayout) -> str:
     Two engines may exchange state only when their fingerprints match. TP/DCP, the page size and
     the conv layout are deliberately not part of it: the manifest carries them and the transfer
     planner reshards heads, re-pages tokens and converts SD <-> DS on arrival."""
-    dtypes = {k: getattr(layout, k) for k in ("latent_dtype", "recurrent_dtype", "conv_dtype")}
+    dtypes = {k: getattr(layout, k) for k in DTYPE_FIELDS}
     blob = json.dumps({"config": config.to_hf_dict(), "dtypes": dtypes, "recurrent": "HVK"},
                       sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
