@@ -72,3 +72,20 @@ def test_choose_core_follows_the_h200_measurements():
     assert mc.choose_core(32, 1024) == "mma"
     assert mc.choose_core(12, 131072) == "mma"
     assert mc.choose_core(32, None) == "mma"        # unknown length (captured, num_splits only)
+
+
+@pytest.mark.parametrize("core,kv_fp8", [("mma", False), ("mma", True), ("wgmma", False),
+                                         ("wgmma", True)])
+def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, core, kv_fp8):
+    # default: one griddepcontrol.wait at the kernel's entry, ahead of every global access;
+    # early_kv: none at entry, one in the empty-split branch and one after the KV loads are
+    # issued (before Q is read) -- two in the PTX
+    waits = {}
+    for early in (False, True):
+        dump = tmp_path / f"{core}-{kv_fp8}-{early}"
+        dump.mkdir()
+        mc.compile_main(kv_fp8, 16, 64, core=core, early_kv=early, dump_dir=str(dump))
+        ptx = "".join(p.read_text() for p in dump.glob("*.ptx"))
+        waits[early] = ptx.count("griddepcontrol.wait")
+        assert ptx.count("griddepcontrol.launch_dependents") == 1
+    assert waits == {False: 1, True: 2}, waits

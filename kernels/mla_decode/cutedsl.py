@@ -37,6 +37,10 @@ cell, at least 16 calls per CUDA graph, PDL and the wide combine below; CUDA-gra
     overlaps the running one), and many splits (`choose_combine`) spread each head over 4 CTAs
     of 16 split groups. Both together took B=1 L=8K H=12 from 14.7 to 11.2 us and L=32K from
     25.0 to 18.6 us. Split counts 64-132 are within 0.3 us of each other at L=8K.
+  * `early_kv=True` (opt-in, branch mla-early-kv until it has run on the H200): the main kernels
+    issue seq_lens, block-table and first KV-tile reads before griddepcontrol.wait, so at
+    B = 1 the first tile's DRAM round trips overlap the previous kernel; Q and every write stay
+    behind the wait. Contract: the kernel right before it in the stream writes none of those.
   * Next steps: a fused combine (branch mla-fused-combine, one launch: 13.6 us before the
     changes above), fp8 QK with a quantized query, and a swap-AB formulation (tokens as the MMA's
     M) so that H <= 32 heads do not pad every MMA to 64 rows.
@@ -104,10 +108,15 @@ def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_
 class MlaDecodeKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32), page size."""
 
-    def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool = False):
+    def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool = False,
+                 early_kv: bool = False):
         assert h_pad in (16, 32), h_pad
         assert page_tokens % TILE_N == 0, page_tokens
         self.kv_fp8 = kv_fp8
+        # early_kv: seq_lens, the block table and the first KV tiles are read before
+        # griddepcontrol.wait (while the previous kernel in the stream still runs); Q and every
+        # write after it. Contract: that kernel must not write the cache, block table or seq_lens.
+        self.early_kv = early_kv
         self.h_pad = h_pad
         self.mw = h_pad // 16                 # warps along M (16 heads each)
         self.nw = 4                           # warps along N
@@ -248,8 +257,10 @@ class MlaDecodeKernel:
 
         # PDL both ways: the combine may become resident now (it waits for our partials), and
         # nothing here is read or written before the previous kernel in the stream completed
+        # (with early_kv: nothing but seq_lens, the block table and the KV cache)
         cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.early_kv):
+            cute.arch.griddepcontrol_wait()
         seqlen = mSeq[b]
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tiles_per_split = (n_tiles + num_splits - 1) // num_splits
@@ -258,6 +269,8 @@ class MlaDecodeKernel:
 
         if t_begin >= t_end:
             # an empty split (short request): only its LSE, which the combine skips
+            if cutlass.const_expr(self.early_kv):
+                cute.arch.griddepcontrol_wait()
             if tidx < heads:
                 mLsep[split, b, tidx] = -Float32.inf
         else:
@@ -274,35 +287,28 @@ class MlaDecodeKernel:
                 sRaw = storage.sKV.get_tensor(sKV_staged)
                 sKVc = sRaw[None, None, 0]
 
-            # ---- Q -> smem (rows >= H zero) ----
-            thr_bf16 = copy_bf16.get_slice(tidx)
-            gQ = cute.local_tile(mQ[b, None, None], (hp, D_QK), (0, 0))
-            cQ = cute.make_identity_tensor((hp, D_QK))
-            tQgQ = thr_bf16.partition_S(gQ)
-            tQsQ = thr_bf16.partition_D(sQ)
-            tQcQ = thr_bf16.partition_S(cQ)
-            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                if tQcQ[0, m, 0][0] < heads:
-                    if cutlass.const_expr(cdt == BFloat16):
-                        cute.copy(copy_bf16, tQgQ[None, m, None], tQsQ[None, m, None])
-                    else:
-                        rq = cute.make_fragment_like(tQgQ[None, m, None], BFloat16)
-                        cute.autovec_copy(tQgQ[None, m, None], rq)
-                        rh = cute.make_fragment_like(rq, cdt)
-                        rh.store(rq.load().to(cdt))
-                        cute.autovec_copy(rh, tQsQ[None, m, None])
-                else:
-                    tQsQ[None, m, None].fill(0)
-
-            # ---- KV tile loads ----
+            # ---- Q -> smem and the first KV tiles, one cp.async group per ring stage ----
             thr_kv = copy_kv.get_slice(tidx)
             cKV = cute.make_identity_tensor((TILE_N, D_QK))
             tKVcKV = thr_kv.partition_S(cKV)
-
-            for s in cutlass.range_constexpr(stages - 1):
-                if t_begin + s < t_end:
-                    self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv, tKVcKV, sRaw[None, None, s])
-                cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.early_kv):
+                # tiles first, then wait, then Q; all in the first group (the group count the
+                # main loop's wait_group expects is kept with empty groups)
+                for s in cutlass.range_constexpr(stages - 1):
+                    if t_begin + s < t_end:
+                        self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv, tKVcKV,
+                                        sRaw[None, None, s])
+                cute.arch.griddepcontrol_wait()
+                self._load_q(mQ, b, heads, sQ, copy_bf16, tidx)
+                for s in cutlass.range_constexpr(stages - 1):
+                    cute.arch.cp_async_commit_group()
+            else:
+                self._load_q(mQ, b, heads, sQ, copy_bf16, tidx)
+                for s in cutlass.range_constexpr(stages - 1):
+                    if t_begin + s < t_end:
+                        self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv, tKVcKV,
+                                        sRaw[None, None, s])
+                    cute.arch.cp_async_commit_group()
 
             # ---- MMA partitions and smem -> register copies ----
             thr_mma = tiled_mma.get_slice(tidx)
@@ -482,6 +488,31 @@ class MlaDecodeKernel:
                             mLsep[split, b, row] = lse_r[r]
 
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _load_q(self, mQ: cute.Tensor, b: Int32, heads: Int32, sQ: cute.Tensor,
+                copy_bf16: cute.TiledCopy, tidx: Int32):
+        """Request b's queries -> sQ (cp.async for bf16 MMAs, widened through registers for
+        fp16 ones); rows >= H are zero."""
+        cdt = self.cdt
+        thr_bf16 = copy_bf16.get_slice(tidx)
+        gQ = cute.local_tile(mQ[b, None, None], (self.h_pad, D_QK), (0, 0))
+        cQ = cute.make_identity_tensor((self.h_pad, D_QK))
+        tQgQ = thr_bf16.partition_S(gQ)
+        tQsQ = thr_bf16.partition_D(sQ)
+        tQcQ = thr_bf16.partition_S(cQ)
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if tQcQ[0, m, 0][0] < heads:
+                if cutlass.const_expr(cdt == BFloat16):
+                    cute.copy(copy_bf16, tQgQ[None, m, None], tQsQ[None, m, None])
+                else:
+                    rq = cute.make_fragment_like(tQgQ[None, m, None], BFloat16)
+                    cute.autovec_copy(tQgQ[None, m, None], rq)
+                    rh = cute.make_fragment_like(rq, cdt)
+                    rh.store(rq.load().to(cdt))
+                    cute.autovec_copy(rh, tQsQ[None, m, None])
+            else:
+                tQsQ[None, m, None].fill(0)
+
     @cute.jit
     def _load_tile(self, mKV: cute.Tensor, mBT: cute.Tensor, b: Int32, t: Int32, seqlen: Int32,
                    copy_kv: cute.TiledCopy, thr_kv, tKVcKV: cute.Tensor, sStage: cute.Tensor):
@@ -699,31 +730,32 @@ def _core(core: str | None) -> str:
 
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
-                  core: str | None = None):
+                  core: str | None = None, early_kv: bool = False):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad and fp8_f16."""
     if _core(core) == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
-        return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens))
+        return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
     fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
-    return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16)
+    return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16, bool(early_kv))
 
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
-                 core: str | None = None, dump_dir: str | None = None):
+                 core: str | None = None, dump_dir: str | None = None, early_kv: bool = False):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core, early_kv)
     if dump_dir is not None:
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     if core == "wgmma":
-        key = ("main", core, bool(kv_fp8), int(page_tokens))
+        key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     else:
         fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
-        key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens)) + ((fp8_f16,) if kv_fp8 else ())
+        key = (("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
+               + ((fp8_f16,) if kv_fp8 else ()))
     if key not in _COMPILED:
         _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
     return _COMPILED[key][1]
@@ -771,14 +803,16 @@ def choose_num_splits(batch: int, max_seq_len: int, heads: int, num_sms: int = N
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-    fp8_f16: bool | None = None, core: str | None = None, **_ignored,
+    fp8_f16: bool | None = None, core: str | None = None, early_kv: bool = False, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
     lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
     split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
     ("mma" / "wgmma"; default CORE, from PDSERVE_MLA_CORE, whose default "auto" asks
-    choose_core with max_seq_len or, when num_splits is not given either, seq_lens.max())."""
+    choose_core with max_seq_len or, when num_splits is not given either, seq_lens.max()).
+    `early_kv` lets the kernel read seq_lens, the block table and the cache before the previous
+    kernel in the stream has finished (PDL): only when that kernel writes none of them."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -813,7 +847,7 @@ def mla_decode_cutedsl(
     for t in (q, kv_cache, out, o_part):
         assert t.data_ptr() % 16 == 0, "16-byte aligned tensors required"
 
-    main = compile_main(fp8, hp, page_tokens, fp8_f16, core)
+    main = compile_main(fp8, hp, page_tokens, fp8_f16, core, early_kv=early_kv)
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
