@@ -4,7 +4,9 @@
 once per session (the module caches compiled objects); the whole file takes ~25 s on 2 cores.
 Both attention cores are compiled: "mma" (mma.sync, the default) and "wgmma" (warpgroup MMA with
 a TMA producer warp); for the wgmma core the cubin is also checked (sm_90a instructions, 168
-registers at launch for 384 threads, no spill stack).
+registers at launch for 384 threads, no spill stack), and so is the mma core's fp8 path, whose
+MMA operands come straight from the raw fp8 tile (PTX instruction counts, no spill stack,
+registers and shared memory for its CTAs per SM).
 """
 import os
 
@@ -28,8 +30,38 @@ def test_main_kernel_compiles(kv_fp8, h_pad, page_tokens, fp8_f16):
     assert mc.compile_main(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma") is fn   # cached
     k = mc.kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma")
     assert k.stages >= 2 and k.num_threads == 32 * 4 * (h_pad // 16)
-    smem = k.h_pad * 576 * 2 + k.stages * 64 * (k.raw_row if kv_fp8 else 576 * 2)
-    assert smem <= mc.SMEM_LIMIT
+    smem = k.h_pad * 576 * 2 + k.stages * 64 * (576 if kv_fp8 else 576 * 2)
+    assert smem <= k.smem_bytes <= mc.SMEM_LIMIT
+
+
+# fp8 direct path (mma core): (h_pad, stages, smem bytes of Q + raw ring + P + stats, CTAs/SM)
+FP8_DIRECT = {16: (2, 94720, 2), 32: (4, 189440, 1)}
+
+
+@pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
+def test_fp8_direct_core(h_pad, page_tokens, tmp_path):
+    """The fp8 cache feeds the MMAs from its raw tile: no widened 16-bit tile is stored to
+    shared memory, every B operand comes from 16-byte (K) / 8-byte (V) shared loads, prmt and
+    cvt.rn.f16x2.e4m3x2 (exact), and the fp16 MMAs run with no spill stack."""
+    k = mc.kernel_config(True, h_pad, page_tokens, core="mma")
+    stages, smem, ctas = FP8_DIRECT[h_pad]
+    assert (k.stages, k.smem_bytes, k.ctas_per_sm) == (stages, smem, ctas)
+    assert k.smem_bytes <= (mc.SMEM_2CTA if ctas == 2 else mc.SMEM_LIMIT)
+    fn = mc.compile_main(True, h_pad, page_tokens, core="mma", dump_dir=str(tmp_path))
+    ptx = fn.artifacts.PTX
+    # per tile: S 36 k-steps x 2 N repeats, P V 4 k-steps x 16 repeats
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 72 + 64
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 144 + 128
+    assert ptx.count("prmt.b32") == 64
+    assert ptx.count("ld.shared.v2.b32") == 32               # V: 4 tokens x 2 x 4 k-steps
+    assert ptx.count("ld.shared.v4.b32") >= 18               # K: 9 chunks x 2 (+ row stats)
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 36 + 4   # Q and P only
+    for st in ("st.shared.b16", "st.shared.u16", "st.shared.v2.b16", "st.shared.v4.b16",
+               "st.shared.v2.u16", "st.shared.v4.u16", "ld.local", "st.local"):
+        assert st not in ptx, st
+    res = cubin_resources(fn.artifacts.CUBIN)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] * k.num_threads * k.ctas_per_sm <= 65536, res
 
 
 @pytest.mark.parametrize("kv_fp8,page_tokens", [(False, 64), (True, 64), (False, 128), (True, 256)])
