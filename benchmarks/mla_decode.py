@@ -8,11 +8,12 @@ bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy
 The split count is fixed before capture (choose_num_splits from B, L, H).
 
     python benchmarks/mla_decode.py [--json benchmarks/results/mla_decode_h200.json] [--quick]
-                                    [--core auto|mma|wgmma]
+                                    [--core auto|mma|wgmma|swapab]
 
 --core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell,
 recorded in each row); the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma",
-mla_decode_h200_wgmma.json for "wgmma" and mla_decode_h200_auto.json for "auto".
+mla_decode_h200_wgmma.json for "wgmma", mla_decode_h200_swapab.json for "swapab" (bf16 cells
+only: that core refuses an fp8 cache) and mla_decode_h200_auto.json for "auto".
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--core", default=None, choices=("auto", "mma", "wgmma"))
+    ap.add_argument("--core", default=None, choices=("auto", "mma", "wgmma", "swapab"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split-count sweep")
     ap.add_argument("--early-kv", action="store_true",
@@ -120,6 +121,8 @@ def main(argv=None):
         Bs, Ls = (1, 64), (8192, 131072)
     rows = []
     for fp8 in (False, True):
+        if fp8 and core == "swapab":
+            continue                  # bf16 cache only
         for H in Hs:
             for B in Bs:
                 for L in Ls:

@@ -2,11 +2,12 @@
 
 `CUTE_DSL_ARCH=sm_90a` makes cute.compile target Hopper without a GPU. Each variant compiles
 once per session (the module caches compiled objects); the whole file takes ~25 s on 2 cores.
-Both attention cores are compiled: "mma" (mma.sync, the default) and "wgmma" (warpgroup MMA with
-a TMA producer warp); for the wgmma core the cubin is also checked (sm_90a instructions, 168
-registers at launch for 384 threads, no spill stack), and so is the mma core's fp8 path, whose
-MMA operands come straight from the raw fp8 tile (PTX instruction counts, no spill stack,
-registers and shared memory for its CTAs per SM).
+All three attention cores are compiled: "mma" (mma.sync), "wgmma" (warpgroup MMA with a TMA
+producer warp) and "swapab" (warpgroup MMA with the heads as N, bf16 cache only); for the wgmma
+cores the PTX and cubin are also checked (sm_90a instructions, wgmma shapes and counts, registers
+at launch that fit the block, no spill stack), and so is the mma core's fp8 path, whose MMA
+operands come straight from the raw fp8 tile (PTX instruction counts, no spill stack, registers
+and shared memory for its CTAs per SM).
 """
 import os
 
@@ -81,6 +82,54 @@ def test_wgmma_core_compiles(kv_fp8, page_tokens, tmp_path):
     assert k.num_threads == 384 and k.stages >= 2 and k.smem_bytes <= mc.SMEM_LIMIT
     assert mc.compile_main(kv_fp8, 12, page_tokens, core="wgmma") is \
         mc.compile_main(kv_fp8, 32, page_tokens, core="wgmma")  # one variant for every H
+
+
+@pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 128), (32, 128),
+                                               (16, 256), (32, 256)])
+def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
+    fn = mc.compile_main(False, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
+    ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
+    assert ".target sm_90a" in ptx
+    # S^T = K Q^T: 36 wgmma m64nNk16 (K = 576); O^T += V^T P^T: 8 blocks of 64 latent dims x 4
+    # k-steps of 16 tokens; N = h_pad everywhere, no other wgmma shape
+    shape = f"m64n{h_pad}k16"
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.{shape}.f32.bf16.bf16") == 36 + 8 * 4
+    assert ptx.count("wgmma.mma_async.sync.aligned.") == 36 + 8 * 4
+    # S has both operands K-major; PV has an MN-major (transposed) A = V^T
+    assert ptx.count(", p, 1,  1, 0, 0;") == 36 and ptx.count(", p, 1,  1, 1, 0;") == 32
+    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    assert ptx.count("setmaxnreg") == 2
+    res = cubin_resources(cubin)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] <= 65536 // 256, res                 # 256 threads must fit at launch
+    k = mc.kernel_config(False, h_pad, page_tokens, core="swapab")
+    assert k.num_threads == 256 and k.h_pad == h_pad and k.stages >= 2
+    assert k.smem_bytes <= mc.SMEM_LIMIT
+    # h_pad is part of the variant (cached per (h_pad, page size))
+    assert mc.compile_main(False, h_pad, page_tokens, core="swapab") is \
+        mc.compile_main(False, h_pad, page_tokens, core="swapab")
+    assert mc.compile_main(False, h_pad, page_tokens, core="swapab") is not \
+        mc.compile_main(False, 48 - h_pad, page_tokens, core="swapab")
+
+
+def test_swapab_core_refuses_fp8():
+    with pytest.raises(ValueError, match="bf16 KV cache only"):
+        mc.kernel_config(True, 32, 64, core="swapab")
+    with pytest.raises(ValueError, match="bf16 KV cache only"):
+        mc.compile_main(True, 32, 64, core="swapab")
+    with pytest.raises(ValueError, match="h_pad"):
+        mc.kernel_config(False, 64, 64, core="swapab")
+    assert "swapab" in mc.CORES
+
+
+def test_swapab_launcher_refuses_fp8_cache():
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(1, 12, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 64, 576, dtype=torch.float8_e4m3fn)
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    seq = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'swapab' supports a bf16 KV cache only"):
+        mc.mla_decode_cutedsl(q, cache, bt, seq, 0.1, 1.0, core="swapab")
 
 
 def test_combine_kernel_compiles():

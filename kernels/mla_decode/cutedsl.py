@@ -61,6 +61,10 @@ tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside mla_decode_h200
                 B=64 L=8K 182.0 (196.8), B=64 L=32K 640.0 (711.4); L=1K 13.6-41.6 (10.4-41.1)
     bf16 H=12:  mma faster in every cell (e.g. B=64 L=32K 603.6 vs 613.7, B=1 L=1K 9.1 vs 11.9)
     fp8  H=32:  wgmma faster from L=8K on (B=64 L=32K 818.8 vs 941.9); fp8 H=12: mma faster.
+A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab", bf16 cache only), swaps A and B
+so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
+padding to 64 rows. It only runs when asked for (core="swapab" or PDSERVE_MLA_CORE=swapab);
+choose_core never picks it. Compiles on CPU; not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -971,9 +975,10 @@ def _fake_args_main(k: MlaDecodeKernel):
 FP8_F16 = False
 
 
-# attention core: "mma" (MlaDecodeKernel, mma.sync) or "wgmma" (wgmma.MlaDecodeWgmmaKernel);
-# "auto" lets choose_core pick per call
-CORES = ("mma", "wgmma")
+# attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or
+# "swapab" (swapab.MlaDecodeSwapAbKernel: heads as the wgmma N, bf16 cache only, never chosen by
+# choose_core); "auto" lets choose_core pick per call
+CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
 WGMMA_MIN_HEADS = 17          # mma.sync pads H <= 16 to 16 rows, wgmma every H to 64
 WGMMA_MIN_SEQ = 8192          # below this the per-tile latency, not the MMA rate, decides
@@ -998,8 +1003,13 @@ def _core(core: str | None) -> str:
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
                   core: str | None = None, early_kv: bool = False):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
-    always pads the heads to 64 and ignores h_pad and fp8_f16."""
-    if _core(core) == "wgmma":
+    always pads the heads to 64 and ignores h_pad and fp8_f16; the swapab core uses h_pad (16 /
+    32, its wgmma N), ignores fp8_f16 and refuses an fp8 cache (ValueError)."""
+    core = _core(core)
+    if core == "swapab":
+        from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
+        return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad))
+    if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
     fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
@@ -1018,6 +1028,8 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | Non
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
+    elif core == "swapab":
+        key = ("main", core, int(h_pad), int(page_tokens))
     else:
         fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
         key = (("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
@@ -1075,10 +1087,11 @@ def mla_decode_cutedsl(
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
     lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
     split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
-    ("mma" / "wgmma"; default CORE, from PDSERVE_MLA_CORE, whose default "auto" asks
-    choose_core with max_seq_len or, when num_splits is not given either, seq_lens.max()).
-    `early_kv` lets the kernel read seq_lens, the block table and the cache before the previous
-    kernel in the stream has finished (PDL): only when that kernel writes none of them."""
+    ("mma" / "wgmma" / "swapab" (bf16 cache only); default CORE, from PDSERVE_MLA_CORE, whose
+    default "auto" asks choose_core with max_seq_len or, when num_splits is not given either,
+    seq_lens.max()). `early_kv` (mma and wgmma cores) lets the kernel read seq_lens, the block
+    table and the cache before the previous kernel in the stream has finished (PDL): only when
+    that kernel writes none of them."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -1098,6 +1111,9 @@ def mla_decode_cutedsl(
         num_splits = choose_num_splits(B, msl, H)
     if core is None and CORE == "auto":
         core = choose_core(H, msl)
+    if fp8 and _core(core) == "swapab":
+        raise ValueError("MLA decode core 'swapab' supports a bf16 KV cache only; got an fp8 "
+                         "e4m3 cache (use core='mma' or 'wgmma')")
     assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device
