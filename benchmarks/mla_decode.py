@@ -8,11 +8,12 @@ bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy
 The split count is fixed before capture (choose_num_splits from B, L, H).
 
     python benchmarks/mla_decode.py [--json benchmarks/results/mla_decode_h200.json] [--quick]
-                                    [--core auto|mma|wgmma]
+                                    [--core auto|mma|wgmma|swapab]
 
 --core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell,
 recorded in each row); the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma",
-mla_decode_h200_wgmma.json for "wgmma" and mla_decode_h200_auto.json for "auto".
+mla_decode_h200_wgmma.json for "wgmma", mla_decode_h200_swapab.json for "swapab" (bf16 cells
+only: that core refuses an fp8 cache) and mla_decode_h200_auto.json for "auto".
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ MIN_CALLS = 16
 FP8_F16 = False
 
 
-def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None):
+def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early_kv=False):
     from pdserve.kernels.mla_decode.cutedsl import choose_core, choose_num_splits, mla_decode_cutedsl
     if core in (None, "auto"):
         core = choose_core(H, L)
@@ -63,7 +64,8 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None):
     def run_all():
         for k in range(K):
             mla_decode_cutedsl(qs[k], cache, bts[k % n_sets], seq, SCALE, kv_scale, num_splits=splits,
-                               out=outs[k], lse=lses[k], fp8_f16=fp8_f16, core=core)
+                               out=outs[k], lse=lses[k], fp8_f16=fp8_f16, core=core,
+                               early_kv=early_kv)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -89,7 +91,8 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None):
     floor_us = per_call / COPY_BW * 1e6
     del g, cache
     torch.cuda.empty_cache()
-    return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, num_splits=splits,
+    return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, early_kv=early_kv,
+                num_splits=splits,
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,
@@ -100,25 +103,30 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--core", default=None, choices=("auto", "mma", "wgmma"))
+    ap.add_argument("--core", default=None, choices=("auto", "mma", "wgmma", "swapab"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split-count sweep")
+    ap.add_argument("--early-kv", action="store_true",
+                    help="read the cache before the PDL wait (the previous kernel writes none of it)")
     args = ap.parse_args(argv)
     import cutlass
     global FP8_F16
     from pdserve.kernels.mla_decode.cutedsl import CORE, FP8_F16
     core = args.core or CORE
     if args.json is None:
-        args.json = "benchmarks/results/mla_decode_h200" + ("" if core == "mma" else f"_{core}") + ".json"
+        args.json = ("benchmarks/results/mla_decode_h200" + ("" if core == "mma" else f"_{core}")
+                     + ("_early_kv" if args.early_kv else "") + ".json")
     Bs, Ls, Hs = (1, 8, 64), (1024, 8192, 32768, 131072), (12, 32)
     if args.quick:
         Bs, Ls = (1, 64), (8192, 131072)
     rows = []
     for fp8 in (False, True):
+        if fp8 and core == "swapab":
+            continue                  # bf16 cache only
         for H in Hs:
             for B in Bs:
                 for L in Ls:
-                    r = bench_one(B, L, H, fp8, core=core)
+                    r = bench_one(B, L, H, fp8, core=core, early_kv=args.early_kv)
                     rows.append(r)
                     print(f"{r['kv_dtype']:9s} H={H:2d} B={B:2d} L={L:6d} splits={r['num_splits']:3d} "
                           f"{r['us']:9.1f} us  {r['gbps']:7.0f} GB/s  floor {r['floor_us']:8.1f} us "
@@ -134,7 +142,7 @@ def main(argv=None):
                 sweep.append(r)
                 print(f"sweep {r['kv_dtype']:9s} H=32 B={B} L={L} splits={sp:3d} {r['us']:8.1f} us", flush=True)
     res = dict(
-        op="mla_decode", backend="cutedsl", core=core, device=torch.cuda.get_device_name(0),
+        op="mla_decode", backend="cutedsl", core=core, early_kv=args.early_kv, device=torch.cuda.get_device_name(0),
         capability=list(torch.cuda.get_device_capability(0)), date=datetime.datetime.now().isoformat(),
         versions=dict(torch=torch.__version__, cuda=torch.version.cuda, cutlass_dsl=getattr(cutlass, "__version__", "?"),
                       python=platform.python_version()),

@@ -4,15 +4,18 @@ One CTA per (KV split, request) computes, for all H local heads of that request 
 the 576-wide latent row is shared by every head), an online-softmax attention over its share of
 the request's tokens, in 64-token tiles that each lie inside one cache page:
 
-  * gmem -> smem: cp.async 16-byte copies of the [64, 576] tile (bf16), or of the fp8 e4m3
-    tile into a raw staging ring that every thread then widens to bf16 itself (per-tensor
-    scale folded into the softmax scale and the output); a 2-3 deep ring of tiles.
-  * S = Q K^T with mma.sync m16n8k16 (bf16 in, fp32 accumulate): the heads (padded to 16/32)
-    are M, the 64 tokens N (four warps along N, 16 tokens each), the 576 dims K.
+  * gmem -> smem: cp.async 16-byte copies of the [64, 576] tile (bf16), or of the raw fp8 e4m3
+    tile (per-tensor scale folded into the softmax scale and the output), whose MMA operands
+    are then built in registers straight from the raw bytes (MlaDecodeKernel docstring;
+    branch mla-fp8-direct, UNTESTED ON A GPU); a 2-4 deep ring of tiles.
+  * S = Q K^T with mma.sync m16n8k16 (bf16 in, or fp16 for the fp8 cache; fp32 accumulate):
+    the heads (padded to 16/32) are M, the 64 tokens N (four warps along N, 16 tokens each),
+    the 576 dims K.
   * softmax: per-row max and sum combined across the four N warps through shared memory; the
-    probabilities go to shared memory as bf16.
+    probabilities go to shared memory as bf16 (fp16 for the fp8 cache).
   * O += P V with the same tiled MMA: V = the first 512 dims of the same smem tile (c_kv), read
-    transposed by ldmatrix; each of the four N warps owns 128 of the 512 output columns.
+    transposed by ldmatrix (bf16; the fp8 path gathers it from the raw bytes); each of the four
+    N warps owns 128 of the 512 output columns.
 
 With one split the CTA writes the final bf16 output and the natural-log LSE. With several, it
 writes an fp32 partial (normalized over its tokens) and its LSE, and `_combine_kernel` merges
@@ -31,12 +34,18 @@ cell, at least 16 calls per CUDA graph, PDL and the wide combine below; CUDA-gra
     yet checked with clock readings).
   * fp8 stays at 32-38 % of its floor: the per-tile MMA + softmax chain (~2.7 us per tile and CTA
     when streaming), not the bytes, limits it, and halving the bytes does not shorten it.
+    (Measured with the old fp8 path that widened every tile to bf16 in smem; the direct path
+    of branch mla-fp8-direct that replaced it has not run on a GPU yet.)
   * B=1, L=8K: 11.2 us at H=12, 13.9 at H=32 (target 10; 16.8 / 19.0 before this session).
     The combine used to be ~4 dependent DRAM round trips in H CTAs after a second launch gap:
     now every kernel is launched with PDL and triggers its dependents on entry (the next launch
     overlaps the running one), and many splits (`choose_combine`) spread each head over 4 CTAs
     of 16 split groups. Both together took B=1 L=8K H=12 from 14.7 to 11.2 us and L=32K from
     25.0 to 18.6 us. Split counts 64-132 are within 0.3 us of each other at L=8K.
+  * `early_kv=True` (opt-in, branch mla-early-kv until it has run on the H200): the main kernels
+    issue seq_lens, block-table and first KV-tile reads before griddepcontrol.wait, so at
+    B = 1 the first tile's DRAM round trips overlap the previous kernel; Q and every write stay
+    behind the wait. Contract: the kernel right before it in the stream writes none of those.
   * Next steps: a fused combine (branch mla-fused-combine, one launch: 13.6 us before the
     changes above), fp8 QK with a quantized query, and a swap-AB formulation (tokens as the MMA's
     M) so that H <= 32 heads do not pad every MMA to 64 rows.
@@ -52,6 +61,10 @@ tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside mla_decode_h200
                 B=64 L=8K 182.0 (196.8), B=64 L=32K 640.0 (711.4); L=1K 13.6-41.6 (10.4-41.1)
     bf16 H=12:  mma faster in every cell (e.g. B=64 L=32K 603.6 vs 613.7, B=1 L=1K 9.1 vs 11.9)
     fp8  H=32:  wgmma faster from L=8K on (B=64 L=32K 818.8 vs 941.9); fp8 H=12: mma faster.
+A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab", bf16 cache only), swaps A and B
+so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
+padding to 64 rows. It only runs when asked for (core="swapab" or PDSERVE_MLA_CORE=swapab);
+choose_core never picks it. Compiles on CPU; not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -61,12 +74,16 @@ import os
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 D_QK = 576
 D_V = 512
 TILE_N = 64                       # tokens per tile; a tile never straddles a page
 SMEM_LIMIT = 227 * 1024           # sm_90 opt-in dynamic smem per block
+# two CTAs per SM: 228 KB per SM, 1 KB of it reserved per resident CTA
+SMEM_2CTA = 228 * 1024 // 2 - 1024
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
@@ -101,13 +118,75 @@ def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_
     return mO, mLse, mOp, mLsep, mSeq
 
 
-class MlaDecodeKernel:
-    """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32), page size."""
+@dsl_user_op
+def _cvt_e4m3x2_f16x2(x, high: bool, *, loc=None, ip=None) -> Int32:
+    """The two e4m3 bytes of the low (high=False) or high half of the 32-bit x -> f16x2 (exact;
+    the lower byte into the lower half)."""
+    half = "hi" if high else "lo"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $1; cvt.rn.f16x2.e4m3x2 $0, " + half + "; }",
+        "=r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
-    def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool = False):
+
+@dsl_user_op
+def _prmt(a, b, sel: int, *, loc=None, ip=None) -> Int32:
+    """prmt.b32 with an immediate selector (bytes 0-3 from a, 4-7 from b)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {sel:#06x};", "=r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+class MlaDecodeKernel:
+    """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32), page size.
+
+    The bf16 cache: cp.async ring of [64, 576] bf16 tiles, ldmatrix for every MMA operand.
+
+    The fp8 e4m3 cache ("direct" path, branch mla-fp8-direct; UNTESTED ON A GPU: it compiles
+    for sm_90a without spills and its fragment layouts were checked against CuTe's partitions
+    on the CPU, but tests/gpu/test_mla_decode_gpu.py has not run on it). The raw fp8 tile is the
+    only copy of the KV data in shared memory; the MMA B operands are built in registers:
+      * smem: per stage c_kv [64 tokens, 512 bytes] (16-byte units XOR-swizzled at 32-byte
+        granularity by token bits 0-1, Swizzle<2,5,4>) and k_pe [64, 64] (row pairs swizzled,
+        Swizzle<1,6,1>); no padding, no widened tile. h_pad = 16: 2 stages, Q + P + stats +
+        ring = 94,720 bytes, two CTAs per SM (launched with minctasm 2 and a 100 % smem
+        carveout). h_pad = 32: two CTAs would need <= 128 registers (ptxas spills), so one CTA
+        with 4 stages, 189,440 bytes.
+      * MMA operands are fp16 (Q rounded to fp16 once, P fp16): cvt.rn.f16x2.e4m3x2 widens two
+        e4m3 bytes exactly in one instruction; bf16 operands would need 3 more per pair.
+      * S = Q K^T: B[k][n] = K[token n][dim k]. A permutation of the 576 dims inside every
+        64-dim chunk (applied to Q when it is staged into smem) lets one 16-byte ld.shared of
+        the thread's token (dims 64 c + 16 tig ..) hold its B values for the chunk's four
+        k-steps: per k-step one 32-bit word, its low half -> (b0, b1), high half -> (b2, b3).
+      * O += P V: B[k][n] = V[token k][dim n]; the thread needs tokens 2 tig, 2 tig + 1,
+        2 tig + 8, 2 tig + 9 of dim g. The PV MMA's N permutation (perm_o) gives thread g of
+        warp w the output columns 128 w + 64 r1 + 8 g + r0 for N repeat r0 + 8 r1, so one 64-bit
+        ld.shared per token covers 8 repeats; prmt pairs the bytes of two tokens (0x5140 /
+        0x7362) and cvt widens each pair: per k-step and 8 repeats 4 loads, 8 prmt, 16 cvt.
+      * Tokens inside each tile are read in a fixed permuted order (_tile_token: bits 0-2 of
+        the token = (l1, l0 ^ l2, l0) of the logical column l) so that both fragment loads are
+        bank-conflict free with the swizzles above (_fp8_addresses); S, the mask and P V use
+        the same order, P stays in logical order.
+      * Rows past the sequence end are zero-filled in smem by the loader (never the cache's
+        bytes there, possibly NaN encodings 0x7F / 0xFF) and masked to -inf in S, so P V sees
+        p = 0 times v = 0 there.
+      * Per tile and thread: 18 ld.shared.v4 + 144 cvt + 72 mma for S, 32 ld.shared.v2 + 64
+        prmt + 128 cvt + 64 mma for P V; no shared stores besides P and the row stats, and no
+        barrier between the copy and the MMAs beyond the ring's one per tile.
+    Registers (cubin, CPU compile): 178 (h_pad 16), 170 (h_pad 32); no spill stack.
+    """
+
+    def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool = False,
+                 early_kv: bool = False):
         assert h_pad in (16, 32), h_pad
         assert page_tokens % TILE_N == 0, page_tokens
         self.kv_fp8 = kv_fp8
+        # early_kv: seq_lens, the block table and the first KV tiles are read before
+        # griddepcontrol.wait (while the previous kernel in the stream still runs); Q and every
+        # write after it. Contract: that kernel must not write the cache, block table or seq_lens.
+        self.early_kv = early_kv
         self.h_pad = h_pad
         self.mw = h_pad // 16                 # warps along M (16 heads each)
         self.nw = 4                           # warps along N
@@ -115,20 +194,34 @@ class MlaDecodeKernel:
         self.page_tokens = page_tokens
         self.tiles_per_page = page_tokens // TILE_N
         self.kv_dtype = cutlass.Float8E4M3FN if kv_fp8 else BFloat16
-        # MMA operand type. fp8 caches widen to fp16 (one cvt.f16x2.e4m3x2 per pair, exact; the
-        # bf16 widening costs 3 more conversions per pair): Q is then rounded to fp16, which
-        # needs |q| < 65504 (absorbed queries are O(1..100)) and is finer than bf16.
-        self.cdt = cutlass.Float16 if (kv_fp8 and fp8_f16) else BFloat16
-        # smem budget: Q + P + row stats, then the KV ring (+ the bf16 widened tile for fp8)
-        fixed = h_pad * D_QK * 2 + h_pad * TILE_N * 2 + 2 * h_pad * 4 * 4 + 4 * 1024
+        self.fp8_f16 = fp8_f16                # kept for the call signature; see FP8_F16
+        # MMA operand type. The fp8 cache goes straight from its raw tile into fp16 MMA operands
+        # (one cvt.rn.f16x2.e4m3x2 per pair, exact; a bf16 operand would cost 3 more conversions
+        # per pair): Q is then rounded to fp16, which needs |q| < 65504 (absorbed queries are
+        # O(1..100)) and is finer than bf16. P is fp16 too (0 <= p <= 1).
+        self.cdt = cutlass.Float16 if kv_fp8 else BFloat16
         if kv_fp8:
-            self.raw_row = D_QK + 16          # padded fp8 staging rows (bank spread)
-            fixed += TILE_N * D_QK * 2
-            per_stage = TILE_N * self.raw_row
-        else:
-            per_stage = TILE_N * D_QK * 2
+            # smem: Q + P + row stats, then the raw fp8 ring (c_kv [64, 512] + k_pe [64, 64]
+            # per stage, swizzled, no padding). As many stages as keep two CTAs on an SM.
+            # Two CTAs per SM for h_pad = 16 (128 threads, 2 stages: 94,720 bytes). h_pad = 32
+            # would fit 2 stages in exactly SMEM_2CTA, but 256 threads x 2 CTAs need <= 128
+            # registers: ptxas then spills (40-48 bytes of stack measured), so h_pad = 32 keeps
+            # one CTA per SM and takes 4 stages instead (189,440 bytes).
+            fixed = h_pad * D_QK * 2 + h_pad * TILE_N * 2 + 2 * h_pad * self.nw * 4
+            per_stage = TILE_N * D_QK
+            self.ctas_per_sm = 2 if h_pad == 16 else 1
+            budget = SMEM_2CTA if self.ctas_per_sm == 2 else SMEM_LIMIT
+            self.stages = max(2, min(4, (budget - fixed) // per_stage))
+            self.smem_bytes = fixed + self.stages * per_stage
+            assert self.smem_bytes <= budget, (fixed, per_stage, self.stages)
+            return
+        # smem budget: Q + P + row stats, then the KV ring
+        fixed = h_pad * D_QK * 2 + h_pad * TILE_N * 2 + 2 * h_pad * 4 * 4 + 4 * 1024
+        per_stage = TILE_N * D_QK * 2
         self.stages = max(2, min(4, (SMEM_LIMIT - fixed) // per_stage))
         assert fixed + self.stages * per_stage <= SMEM_LIMIT, (fixed, per_stage, self.stages)
+        self.smem_bytes = fixed - 4 * 1024 + self.stages * per_stage
+        self.ctas_per_sm = 1
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -166,15 +259,22 @@ class MlaDecodeKernel:
         sP_layout = cute.tile_to_shape(_swizzled_atom(64), (hp, TILE_N), (0, 1))
         sStat_layout = cute.make_layout((hp, self.nw), stride=(self.nw, 1))
         if cutlass.const_expr(self.kv_fp8):
-            sRaw_staged = cute.make_layout(
-                (TILE_N, D_QK, self.stages), stride=(self.raw_row, 1, TILE_N * self.raw_row))
+            # raw fp8 ring, in bytes: c_kv rows of 512 (16-byte units XOR-swizzled at 32-byte
+            # granularity by the token's low 2 bits) and k_pe rows of 64 (row pairs swizzled):
+            # the fragment loads of the main loop (see _fp8_addresses) are bank-conflict free.
+            # sRaw_staged = c_kv ring, sKV_layout = k_pe ring here.
+            sRaw_staged = cute.make_composed_layout(cute.make_swizzle(2, 5, 4), 0, cute.make_layout(
+                (TILE_N, D_V, self.stages), stride=(D_V, 1, TILE_N * D_V)))
+            sKV_layout = cute.make_composed_layout(cute.make_swizzle(1, 6, 1), 0, cute.make_layout(
+                (TILE_N, D_QK - D_V, self.stages), stride=(D_QK - D_V, 1, TILE_N * (D_QK - D_V))))
 
             @cute.struct
             class SharedStorage:
                 sQ: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sQ_layout)], 1024]
-                sKV: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sKV_layout)], 1024]
-                sRaw: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(sRaw_staged)], 1024]
+                sKV: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Float8E4M3FN, TILE_N * D_V * self.stages], 1024]
+                sPE: cute.struct.Align[cute.struct.MemRange[
+                    cutlass.Float8E4M3FN, TILE_N * (D_QK - D_V) * self.stages], 1024]
                 sP: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sP_layout)], 1024]
                 sMax: cute.struct.Align[cute.struct.MemRange[Float32, hp * self.nw], 16]
                 sSum: cute.struct.Align[cute.struct.MemRange[Float32, hp * self.nw], 16]
@@ -200,12 +300,12 @@ class MlaDecodeKernel:
             atom_g2s_kv = cute.make_copy_atom(
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                 cutlass.Float8E4M3FN, num_bits_per_copy=128)
+            # c_kv: a warp per 512-byte row; k_pe (copy_cvt here): four threads per 64-byte row
             copy_kv = cute.make_tiled_copy_tv(
-                atom_g2s_kv, cute.make_layout((nt // 4, 4), stride=(4, 1)), cute.make_layout((1, 16)))
-            atom_cvt = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cdt,
-                                           num_bits_per_copy=128)
+                atom_g2s_kv, cute.make_layout((nt // 32, 32), stride=(32, 1)),
+                cute.make_layout((1, 16)))
             copy_cvt = cute.make_tiled_copy_tv(
-                atom_cvt, cute.make_layout((nt // 4, 4), stride=(4, 1)), cute.make_layout((1, 16)))
+                atom_g2s_kv, cute.make_layout((nt // 4, 4), stride=(4, 1)), cute.make_layout((1, 16)))
         else:
             copy_kv = copy_bf16
             copy_cvt = copy_bf16
@@ -217,12 +317,32 @@ class MlaDecodeKernel:
             (self.mw, self.nw, 1),
             permutation_mnk=(hp, perm_n, 16),
         )
+        if cutlass.const_expr(self.kv_fp8):
+            # P V for the fp8 path: thread g of warp w, N repeat r = r0 + 8 r1 holds output
+            # column 128 w + 64 r1 + 8 g + r0, so that 8 consecutive bytes of one V row (one
+            # 64-bit shared load) are its B values for 8 repeats
+            perm_o = cute.make_layout((8, self.nw, (8, 2)), stride=(8, 128, (1, 64)))
+            tiled_mma_o = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(cdt, Float32, (16, 8, 16)),
+                (self.mw, self.nw, 1),
+                permutation_mnk=(hp, perm_o, 16),
+            )
+        else:
+            tiled_mma_o = tiled_mma
 
         self.kernel(
             mQ, mKV, mBT, mSeq, mO, mLse, mOp, mLsep, num_splits, scale_log2, out_scale,
             sQ_layout, sKV_layout, sKV_staged, sRaw_staged, sP_layout, sStat_layout,
-            copy_bf16, copy_kv, copy_cvt, tiled_mma, SharedStorage,
-        ).launch(grid=(num_splits, batch, 1), block=(nt, 1, 1), stream=stream, use_pdl=True)
+            copy_bf16, copy_kv, copy_cvt, tiled_mma, tiled_mma_o, SharedStorage,
+        ).launch(grid=(num_splits, batch, 1), block=(nt, 1, 1), stream=stream, use_pdl=True,
+                 **self._occupancy())
+
+    def _occupancy(self) -> dict:
+        # fp8: two CTAs per SM where the shared memory allows it (registers capped to match via
+        # minctasm; an explicit carveout, in percent, keeps compilation free of device queries)
+        if self.kv_fp8 and self.ctas_per_sm > 1:
+            return {"min_blocks_per_mp": self.ctas_per_sm, "preferred_smem_carveout": 100}
+        return {}
 
     # ------------------------------------------------------------------------------------------
     @cute.kernel
@@ -231,11 +351,11 @@ class MlaDecodeKernel:
         mQ: cute.Tensor, mKV: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
         mO: cute.Tensor, mLse: cute.Tensor, mOp: cute.Tensor, mLsep: cute.Tensor,
         num_splits: Int32, scale_log2: Float32, out_scale: Float32,
-        sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+        sQ_layout: cute.ComposedLayout, sKV_layout,
         sKV_staged: cute.ComposedLayout, sRaw_staged, sP_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
         copy_bf16: cute.TiledCopy, copy_kv: cute.TiledCopy, copy_cvt: cute.TiledCopy,
-        tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+        tiled_mma: cute.TiledMma, tiled_mma_o: cute.TiledMma, SharedStorage: cutlass.Constexpr,
     ):
         hp = self.h_pad
         cdt = self.cdt
@@ -248,8 +368,10 @@ class MlaDecodeKernel:
 
         # PDL both ways: the combine may become resident now (it waits for our partials), and
         # nothing here is read or written before the previous kernel in the stream completed
+        # (with early_kv: nothing but seq_lens, the block table and the KV cache)
         cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.early_kv):
+            cute.arch.griddepcontrol_wait()
         seqlen = mSeq[b]
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tiles_per_split = (n_tiles + num_splits - 1) // num_splits
@@ -258,6 +380,8 @@ class MlaDecodeKernel:
 
         if t_begin >= t_end:
             # an empty split (short request): only its LSE, which the combine skips
+            if cutlass.const_expr(self.early_kv):
+                cute.arch.griddepcontrol_wait()
             if tidx < heads:
                 mLsep[split, b, tidx] = -Float32.inf
         else:
@@ -268,56 +392,61 @@ class MlaDecodeKernel:
             sMax = storage.sMax.get_tensor(sStat_layout)
             sSum = storage.sSum.get_tensor(sStat_layout)
             if cutlass.const_expr(self.kv_fp8):
-                sRaw = storage.sRaw.get_tensor(sRaw_staged)
-                sKVc = storage.sKV.get_tensor(sKV_layout)
+                sRaw = storage.sKV.get_tensor(sRaw_staged)         # c_kv ring [64, 512, stages]
+                sPE = storage.sPE.get_tensor(sKV_layout)           # k_pe ring [64, 64, stages]
             else:
                 sRaw = storage.sKV.get_tensor(sKV_staged)
                 sKVc = sRaw[None, None, 0]
 
-            # ---- Q -> smem (rows >= H zero) ----
-            thr_bf16 = copy_bf16.get_slice(tidx)
-            gQ = cute.local_tile(mQ[b, None, None], (hp, D_QK), (0, 0))
-            cQ = cute.make_identity_tensor((hp, D_QK))
-            tQgQ = thr_bf16.partition_S(gQ)
-            tQsQ = thr_bf16.partition_D(sQ)
-            tQcQ = thr_bf16.partition_S(cQ)
-            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                if tQcQ[0, m, 0][0] < heads:
-                    if cutlass.const_expr(cdt == BFloat16):
-                        cute.copy(copy_bf16, tQgQ[None, m, None], tQsQ[None, m, None])
-                    else:
-                        rq = cute.make_fragment_like(tQgQ[None, m, None], BFloat16)
-                        cute.autovec_copy(tQgQ[None, m, None], rq)
-                        rh = cute.make_fragment_like(rq, cdt)
-                        rh.store(rq.load().to(cdt))
-                        cute.autovec_copy(rh, tQsQ[None, m, None])
-                else:
-                    tQsQ[None, m, None].fill(0)
-
-            # ---- KV tile loads ----
+            # ---- Q -> smem and the first KV tiles, one cp.async group per ring stage ----
             thr_kv = copy_kv.get_slice(tidx)
-            cKV = cute.make_identity_tensor((TILE_N, D_QK))
+            if cutlass.const_expr(self.kv_fp8):
+                cKV = cute.make_identity_tensor((TILE_N, D_V))
+                thr_pe = copy_cvt.get_slice(tidx)
+                tPEcPE = thr_pe.partition_S(cute.make_identity_tensor((TILE_N, D_QK - D_V)))
+            else:
+                cKV = cute.make_identity_tensor((TILE_N, D_QK))
             tKVcKV = thr_kv.partition_S(cKV)
-
-            for s in cutlass.range_constexpr(stages - 1):
-                if t_begin + s < t_end:
-                    self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv, tKVcKV, sRaw[None, None, s])
-                cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.early_kv):
+                # tiles first, then wait, then Q; all in the first group (the group count the
+                # main loop's wait_group expects is kept with empty groups)
+                for s in cutlass.range_constexpr(stages - 1):
+                    if t_begin + s < t_end:
+                        if cutlass.const_expr(self.kv_fp8):
+                            self._load_tile_fp8(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
+                                                tKVcKV, sRaw[None, None, s], copy_cvt, thr_pe,
+                                                tPEcPE, sPE[None, None, s])
+                        else:
+                            self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
+                                            tKVcKV, sRaw[None, None, s])
+                cute.arch.griddepcontrol_wait()
+                self._load_q(mQ, b, heads, sQ, copy_bf16, tidx)
+                for s in cutlass.range_constexpr(stages - 1):
+                    cute.arch.cp_async_commit_group()
+            else:
+                self._load_q(mQ, b, heads, sQ, copy_bf16, tidx)
+                for s in cutlass.range_constexpr(stages - 1):
+                    if t_begin + s < t_end:
+                        if cutlass.const_expr(self.kv_fp8):
+                            self._load_tile_fp8(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
+                                                tKVcKV, sRaw[None, None, s], copy_cvt, thr_pe,
+                                                tPEcPE, sPE[None, None, s])
+                        else:
+                            self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
+                                            tKVcKV, sRaw[None, None, s])
+                    cute.arch.cp_async_commit_group()
 
             # ---- MMA partitions and smem -> register copies ----
             thr_mma = tiled_mma.get_slice(tidx)
-            acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((hp, D_V)), Float32)
+            thr_mma_o = tiled_mma_o.get_slice(tidx)
+            acc_O = cute.make_rmem_tensor(thr_mma_o.partition_shape_C((hp, D_V)), Float32)
             acc_O.fill(0.0)
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((hp, TILE_N)), Float32)
 
             ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
             ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
             s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, cdt), tiled_mma)
-            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, cdt), tiled_mma)
-            s2r_Bt = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, cdt), tiled_mma)
             thr_A = s2r_A.get_slice(tidx)
-            thr_B = s2r_B.get_slice(tidx)
-            thr_Bt = s2r_Bt.get_slice(tidx)
 
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
             tSsQ = thr_A.partition_S(sQ)
@@ -325,11 +454,24 @@ class MlaDecodeKernel:
             tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
             tOsP = thr_A.partition_S(sP)
             tOrP_v = thr_A.retile(tOrP)
-            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKVc))
-            tSrK_v = thr_B.retile(tSrK)
-            sVt0 = cute.composition(sKVc, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
-            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt0))
-            tOrV_v = thr_Bt.retile(tOrV)
+            if cutlass.const_expr(self.kv_fp8):
+                # B operands built in registers from the raw fp8 tile (32-bit views to fill)
+                tSrK = cute.make_rmem_tensor(thr_mma.partition_shape_B((TILE_N, D_QK)), cdt)
+                tSrK32 = cute.recast_tensor(tSrK, Int32)
+                tOrV = cute.make_rmem_tensor(thr_mma_o.partition_shape_B((D_V, TILE_N)), cdt)
+                tOrV32 = cute.recast_tensor(tOrV, Int32)
+                k_addr, pe_addr, v_addr = self._fp8_addresses(
+                    sRaw.iterator.toint(), sPE.iterator.toint(), lane, warp_n)
+            else:
+                s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, cdt), tiled_mma)
+                s2r_Bt = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, cdt), tiled_mma)
+                thr_B = s2r_B.get_slice(tidx)
+                thr_Bt = s2r_Bt.get_slice(tidx)
+                tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKVc))
+                tSrK_v = thr_B.retile(tSrK)
+                sVt0 = cute.composition(sKVc, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+                tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt0))
+                tOrV_v = thr_Bt.retile(tOrV)
 
             # P: fp32 accumulator -> bf16 -> smem
             r2s_P = cute.make_tiled_copy_C(
@@ -349,10 +491,6 @@ class MlaDecodeKernel:
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
 
-            if cutlass.const_expr(self.kv_fp8):
-                thr_cvt = copy_cvt.get_slice(tidx)
-                tCsC = thr_cvt.partition_D(sKVc)
-
             # ---- main loop over this split's tiles ----
             for t in cutlass.range(t_begin, t_end, unroll=1):
                 it = t - t_begin
@@ -362,44 +500,66 @@ class MlaDecodeKernel:
                 # refill the stage that tile t-1 used (everyone is past it now)
                 t_next = t + stages - 1
                 if t_next < t_end:
-                    self._load_tile(mKV, mBT, b, t_next, seqlen, copy_kv, thr_kv, tKVcKV,
-                                    sRaw[None, None, (it + stages - 1) % stages])
+                    if cutlass.const_expr(self.kv_fp8):
+                        nstage = (it + stages - 1) % stages
+                        self._load_tile_fp8(mKV, mBT, b, t_next, seqlen, copy_kv, thr_kv, tKVcKV,
+                                            sRaw[None, None, nstage], copy_cvt, thr_pe, tPEcPE,
+                                            sPE[None, None, nstage])
+                    else:
+                        self._load_tile(mKV, mBT, b, t_next, seqlen, copy_kv, thr_kv, tKVcKV,
+                                        sRaw[None, None, (it + stages - 1) % stages])
                 cute.arch.cp_async_commit_group()
-
-                if cutlass.const_expr(self.kv_fp8):
-                    # each thread widens exactly the bytes its own cp.async brought in
-                    tRs = thr_kv.partition_D(sRaw[None, None, stage])
-                    for n in cutlass.range_constexpr(cute.size(tRs.shape[1])):
-                        for k in cutlass.range_constexpr(cute.size(tRs.shape[2])):
-                            r8 = cute.make_rmem_tensor(cute.size(tRs[None, n, k]),
-                                                       cutlass.Float8E4M3FN)
-                            cute.autovec_copy(tRs[None, n, k], r8)
-                            rb = cute.make_rmem_tensor(cute.size(tRs[None, n, k]), cdt)
-                            rb.store(r8.load().to(cdt))
-                            cute.autovec_copy(rb, tCsC[None, n, k])
-                    cute.arch.sync_threads()
-                    sK = sKVc
-                else:
-                    sK = sRaw[None, None, stage]
-                sVt = cute.composition(sK, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
-                tSsK = thr_B.partition_S(sK)
-                tOsV = thr_Bt.partition_S(sVt)
 
                 # S = Q K^T
                 acc_S.fill(0.0)
                 n_k = cute.size(tSsQ.shape[2])
-                cute.copy(s2r_A, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
-                cute.copy(s2r_B, tSsK[None, None, 0], tSrK_v[None, None, 0])
-                for k in cutlass.range_constexpr(n_k):
-                    if cutlass.const_expr(k + 1 < n_k):
-                        cute.copy(s2r_A, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
-                        cute.copy(s2r_B, tSsK[None, None, k + 1], tSrK_v[None, None, k + 1])
-                    cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                if cutlass.const_expr(self.kv_fp8):
+                    off_c = stage * (TILE_N * D_V)
+                    off_pe = stage * (TILE_N * (D_QK - D_V))
+                    cute.copy(s2r_A, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
+                    for c in cutlass.range_constexpr(D_QK // 64):
+                        # 16 bytes (dims 64 c + 16 tig ..) of the thread's token per N repeat:
+                        # the B values of four k-steps
+                        kw = []
+                        for r in cutlass.range_constexpr(2):
+                            if cutlass.const_expr(c < D_V // 64):
+                                addr = k_addr[r] + off_c
+                                if cutlass.const_expr(c % 2 == 1):
+                                    addr = addr ^ 64
+                                addr = addr + 128 * (c // 2)
+                            else:
+                                addr = pe_addr[r] + off_pe
+                            kw.append(self._lds_u32(addr, 4))
+                        for s4 in cutlass.range_constexpr(4):
+                            k = 4 * c + s4
+                            for r in cutlass.range_constexpr(2):
+                                tSrK32[0, r, k] = _cvt_e4m3x2_f16x2(kw[r][s4], False)
+                                tSrK32[1, r, k] = _cvt_e4m3x2_f16x2(kw[r][s4], True)
+                            if cutlass.const_expr(k + 1 < n_k):
+                                cute.copy(s2r_A, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
+                            cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k],
+                                      acc_S)
+                else:
+                    sK = sRaw[None, None, stage]
+                    sVt = cute.composition(sK, cute.make_layout((D_V, TILE_N), stride=(TILE_N, 1)))
+                    tSsK = thr_B.partition_S(sK)
+                    tOsV = thr_Bt.partition_S(sVt)
+                    cute.copy(s2r_A, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
+                    cute.copy(s2r_B, tSsK[None, None, 0], tSrK_v[None, None, 0])
+                    for k in cutlass.range_constexpr(n_k):
+                        if cutlass.const_expr(k + 1 < n_k):
+                            cute.copy(s2r_A, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
+                            cute.copy(s2r_B, tSsK[None, None, k + 1], tSrK_v[None, None, k + 1])
+                        cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
 
                 # mask tokens past the end (only the request's last tile has any)
                 if (t + 1) * TILE_N > seqlen:
                     for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-                        if t * TILE_N + tScS_mn[0, c][1] >= seqlen:
+                        if cutlass.const_expr(self.kv_fp8):
+                            tok = self._tile_token(tScS_mn[0, c][1])
+                        else:
+                            tok = tScS_mn[0, c][1]
+                        if t * TILE_N + tok >= seqlen:
                             for r in cutlass.range_constexpr(n_rows):
                                 acc_S_mn[r, c] = -Float32.inf
 
@@ -429,13 +589,39 @@ class MlaDecodeKernel:
 
                 # O += P V
                 n_kv = cute.size(tOsP.shape[2])
-                cute.copy(s2r_A, tOsP[None, None, 0], tOrP_v[None, None, 0])
-                cute.copy(s2r_Bt, tOsV[None, None, 0], tOrV_v[None, None, 0])
-                for k in cutlass.range_constexpr(n_kv):
-                    if cutlass.const_expr(k + 1 < n_kv):
-                        cute.copy(s2r_A, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
-                        cute.copy(s2r_Bt, tOsV[None, None, k + 1], tOrV_v[None, None, k + 1])
-                    cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+                if cutlass.const_expr(self.kv_fp8):
+                    cute.copy(s2r_A, tOsP[None, None, 0], tOrP_v[None, None, 0])
+                    for k in cutlass.range_constexpr(n_kv):
+                        if cutlass.const_expr(k + 1 < n_kv):
+                            cute.copy(s2r_A, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
+                        for j in cutlass.range_constexpr(2):
+                            # tokens of B values (b0, b1, b2, b3): 8 bytes each = 8 N repeats
+                            vw = []
+                            for q in cutlass.range_constexpr(4):
+                                addr = v_addr[q] + off_c
+                                if cutlass.const_expr(j == 1):
+                                    addr = addr ^ 64
+                                vw.append(self._lds_u32(addr + k * (16 * D_V), 2))
+                            for h in cutlass.range_constexpr(2):
+                                for q in cutlass.range_constexpr(2):
+                                    # pair (token 2 tig (+8), token 2 tig + 1 (+8)) per byte
+                                    lo = _prmt(vw[2 * q][h], vw[2 * q + 1][h], 0x5140)
+                                    hi = _prmt(vw[2 * q][h], vw[2 * q + 1][h], 0x7362)
+                                    rep = 8 * j + 4 * h
+                                    tOrV32[q, rep + 0, k] = _cvt_e4m3x2_f16x2(lo, False)
+                                    tOrV32[q, rep + 1, k] = _cvt_e4m3x2_f16x2(lo, True)
+                                    tOrV32[q, rep + 2, k] = _cvt_e4m3x2_f16x2(hi, False)
+                                    tOrV32[q, rep + 3, k] = _cvt_e4m3x2_f16x2(hi, True)
+                        cute.gemm(tiled_mma_o, acc_O, tOrP[None, None, k], tOrV[None, None, k],
+                                  acc_O)
+                else:
+                    cute.copy(s2r_A, tOsP[None, None, 0], tOrP_v[None, None, 0])
+                    cute.copy(s2r_Bt, tOsV[None, None, 0], tOrV_v[None, None, 0])
+                    for k in cutlass.range_constexpr(n_kv):
+                        if cutlass.const_expr(k + 1 < n_kv):
+                            cute.copy(s2r_A, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
+                            cute.copy(s2r_Bt, tOsV[None, None, k + 1], tOrV_v[None, None, k + 1])
+                        cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
 
             cute.arch.cp_async_wait_group(0)
 
@@ -455,10 +641,10 @@ class MlaDecodeKernel:
                 lse_r[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=False)) * LN_2
 
             cO = cute.make_identity_tensor((hp, D_V))
-            tOcO = thr_mma.partition_C(cO)
+            tOcO = thr_mma_o.partition_C(cO)
             if num_splits == 1:
                 gO = cute.local_tile(mO[b, None, None], (hp, D_V), (0, 0))
-                tOgO = thr_mma.partition_C(gO)
+                tOgO = thr_mma_o.partition_C(gO)
                 rO = cute.make_fragment_like(acc_O, BFloat16)
                 rO.store(acc_O.load().to(BFloat16))
                 for i in cutlass.range_constexpr(cute.size(rO)):
@@ -471,7 +657,7 @@ class MlaDecodeKernel:
                             mLse[b, row] = lse_r[r]
             else:
                 gOp = cute.local_tile(mOp[split, b, None, None], (hp, D_V), (0, 0))
-                tOgOp = thr_mma.partition_C(gOp)
+                tOgOp = thr_mma_o.partition_C(gOp)
                 for i in cutlass.range_constexpr(cute.size(acc_O)):
                     if tOcO[i][0] < heads:
                         tOgOp[i] = acc_O[i]
@@ -482,6 +668,37 @@ class MlaDecodeKernel:
                             mLsep[split, b, row] = lse_r[r]
 
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _load_q(self, mQ: cute.Tensor, b: Int32, heads: Int32, sQ: cute.Tensor,
+                copy_bf16: cute.TiledCopy, tidx: Int32):
+        """Request b's queries -> sQ (cp.async for bf16 MMAs, widened through registers for
+        fp16 ones); rows >= H are zero."""
+        cdt = self.cdt
+        thr_bf16 = copy_bf16.get_slice(tidx)
+        gQ = cute.local_tile(mQ[b, None, None], (self.h_pad, D_QK), (0, 0))
+        if cutlass.const_expr(self.kv_fp8):
+            # the K dims of every 64-dim chunk permuted (see _fp8_addresses): logical dim
+            # 64 c + 16 s + kk holds dim 64 c + 16 ((kk % 8) // 2) + 4 s + kk % 2 + 2 (kk // 8)
+            gQ = cute.make_tensor(gQ.iterator, cute.make_layout(
+                (self.h_pad, (2, 2, 2, 2, 2, 2, D_QK // 64)),
+                stride=(D_QK, (1, 16, 32, 2, 4, 8, 64))))
+        cQ = cute.make_identity_tensor((self.h_pad, D_QK))
+        tQgQ = thr_bf16.partition_S(gQ)
+        tQsQ = thr_bf16.partition_D(sQ)
+        tQcQ = thr_bf16.partition_S(cQ)
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if tQcQ[0, m, 0][0] < heads:
+                if cutlass.const_expr(cdt == BFloat16):
+                    cute.copy(copy_bf16, tQgQ[None, m, None], tQsQ[None, m, None])
+                else:
+                    rq = cute.make_fragment_like(tQgQ[None, m, None], BFloat16)
+                    cute.autovec_copy(tQgQ[None, m, None], rq)
+                    rh = cute.make_fragment_like(rq, cdt)
+                    rh.store(rq.load().to(cdt))
+                    cute.autovec_copy(rh, tQsQ[None, m, None])
+            else:
+                tQsQ[None, m, None].fill(0)
+
     @cute.jit
     def _load_tile(self, mKV: cute.Tensor, mBT: cute.Tensor, b: Int32, t: Int32, seqlen: Int32,
                    copy_kv: cute.TiledCopy, thr_kv, tKVcKV: cute.Tensor, sStage: cute.Tensor):
@@ -504,6 +721,90 @@ class MlaDecodeKernel:
                     cute.copy(copy_kv, tKVg[None, n, None], tKVs[None, n, None])
                 else:
                     tKVs[None, n, None].fill(0)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _load_tile_fp8(self, mKV: cute.Tensor, mBT: cute.Tensor, b: Int32, t: Int32,
+                       seqlen: Int32, copy_c: cute.TiledCopy, thr_c, tCc: cute.Tensor,
+                       sC: cute.Tensor, copy_pe: cute.TiledCopy, thr_pe, tPEc: cute.Tensor,
+                       sPEs: cute.Tensor):
+        """cp.async the raw fp8 tile t of request b into one stage: c_kv [64, 512] -> sC, k_pe
+        [64, 64] -> sPEs. Rows past the request's end are written as zeros (never the cache's
+        bytes there, which may be NaN encodings): P is 0 there and 0 * 0 stays 0 in P V."""
+        page = mBT[b, t // self.tiles_per_page]
+        page_elems = self.page_tokens * D_QK
+        off = cute.assume(cutlass.Int64(page) * page_elems, divby=page_elems)
+        mPage = cute.make_tensor(mKV.iterator + off, cute.make_layout(
+            (self.page_tokens, D_QK), stride=(D_QK, 1)))
+        tile = t % self.tiles_per_page
+        gC = cute.local_tile(mPage, (TILE_N, D_V), (tile, 0))
+        gPE = cute.local_tile(mPage, (TILE_N, D_QK - D_V), (tile, D_V // (D_QK - D_V)))
+        tCg = thr_c.partition_S(gC)
+        tCs = thr_c.partition_D(sC)
+        tPg = thr_pe.partition_S(gPE)
+        tPs = thr_pe.partition_D(sPEs)
+        if (t + 1) * TILE_N <= seqlen:
+            cute.copy(copy_c, tCg, tCs)
+            cute.copy(copy_pe, tPg, tPs)
+        else:
+            for n in cutlass.range_constexpr(cute.size(tCs.shape[1])):
+                if t * TILE_N + tCc[0, n, 0][0] < seqlen:
+                    cute.copy(copy_c, tCg[None, n, None], tCs[None, n, None])
+                else:
+                    tCs[None, n, None].fill(0)
+            for n in cutlass.range_constexpr(cute.size(tPs.shape[1])):
+                if t * TILE_N + tPEc[0, n, 0][0] < seqlen:
+                    cute.copy(copy_pe, tPg[None, n, None], tPs[None, n, None])
+                else:
+                    tPs[None, n, None].fill(0)
+
+    @staticmethod
+    def _tile_token(l):
+        """Token (row of the raw tile) behind logical column l of S / k index of P V on the fp8
+        path: bits (0, 1, 2) of the token are (l1, l0 ^ l2, l0); the rest of l unchanged."""
+        return ((l >> 3) << 3) | ((l >> 1) & 1) | (((l ^ (l >> 2)) & 1) << 1) | ((l & 1) << 2)
+
+    def _fp8_addresses(self, base_c: Int32, base_pe: Int32, lane: Int32, warp_n: Int32):
+        """Per-thread shared byte addresses (stage 0, tile rows 0..15) of the fp8 fragment loads.
+
+        c_kv byte (token, col) lies at token * 512 + (col ^ ((token % 4) * 32)) (Swizzle<2,5,4>),
+        k_pe byte (token, col) at (token * 64) ^ (((token // 2) % 2) * 64) + col (Swizzle<1,6,1>).
+        With lane = 4 g + tig:
+          * K (S = Q K^T), N repeat r: the token behind column 16 warp_n + 8 r + g; one 16-byte
+            load at dims 64 c + 16 tig of that token holds its B values of the four k-steps of
+            the 64-dim chunk c (Q's dims are permuted to match). Returns k_addr[r] (chunk 0;
+            chunk c < 8: XOR 64 if c is odd, then add 128 (c // 2)) and pe_addr[r] (chunk 8).
+          * V (O += P V), k-step 0: the tokens behind k = 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9
+            (q = 0..3), 8 bytes at dims 128 warp_n + 8 g: v_addr[q] (dims + 64: XOR 64; k-step k
+            adds k * 16 * 512). The ring is 1024-byte aligned, so XOR 64 flips column bit 6.
+        Bank conflicts: a 16-byte load's quarter warp reads the same 64 bytes of two tokens that
+        differ in bit 1 (-> opposite 64-byte halves); a 64-bit load's half warp reads 32 bytes
+        of four tokens whose bits (0, 1) differ (-> four 32-byte slots). Both conflict free."""
+        g = lane // 4
+        tig = lane % 4
+        k_addr = []
+        pe_addr = []
+        for r in range(2):
+            tok = self._tile_token(16 * warp_n + 8 * r + g)
+            sw = (tok % 4) * 32
+            row = base_c + tok * D_V
+            k_addr.append(row + ((16 * tig) ^ sw))
+            pe_addr.append(base_pe + ((tok * (D_QK - D_V)) ^ (((tok // 2) % 2) * 64)) + 16 * tig)
+        v_addr = []
+        for kq in range(4):
+            tok = self._tile_token(2 * tig + (kq % 2) + 8 * (kq // 2))
+            sw = (tok % 4) * 32
+            v_addr.append(base_c + tok * D_V + 128 * warp_n + ((8 * g) ^ sw))
+        return k_addr, pe_addr, v_addr
+
+    @staticmethod
+    def _lds_u32(addr: Int32, n: int):
+        """n (2 or 4) 32-bit words from shared byte address addr (aligned to 4 n): one vector
+        ld.shared into an rmem fragment."""
+        ptr = cute.make_ptr(Int32, addr, cute.AddressSpace.smem, assumed_align=4 * n)
+        dst = cute.make_rmem_tensor((n,), Int32)
+        cute.autovec_copy(cute.make_tensor(ptr, cute.make_layout((n,))), dst)
+        return dst
 
     def _mn_view(self, acc):
         """((2,2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) row/column view."""
@@ -667,16 +968,17 @@ def _fake_args_main(k: MlaDecodeKernel):
             Float32(1.0), make_fake_stream())
 
 
-# fp8 cache: widen to bf16 MMA operands (default; no range caveat) or, with True, to fp16 (one
-# conversion per pair instead of four; Q rounded to fp16, needs |q| < 65504). Measured on the
-# H200: same time at H=32, fp16 ~9% faster at H=12, B=64 (the per-tile MMA/softmax chain, not the
-# conversion, is the limit). Both pass the GPU tests.
+# fp8 cache, widened-tile path (before branch mla-fp8-direct): bf16 MMA operands (default) or,
+# with True, fp16 (measured on the H200: same time at H=32, fp16 ~9% faster at H=12, B=64). The
+# direct fp8 path of the mma core always uses fp16 operands (Q rounded to fp16, needs
+# |q| < 65504) and ignores this flag; it stays in the signatures and the compile-cache key.
 FP8_F16 = False
 
 
-# attention core: "mma" (MlaDecodeKernel, mma.sync) or "wgmma" (wgmma.MlaDecodeWgmmaKernel);
-# "auto" lets choose_core pick per call
-CORES = ("mma", "wgmma")
+# attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or
+# "swapab" (swapab.MlaDecodeSwapAbKernel: heads as the wgmma N, bf16 cache only, never chosen by
+# choose_core); "auto" lets choose_core pick per call
+CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
 WGMMA_MIN_HEADS = 17          # mma.sync pads H <= 16 to 16 rows, wgmma every H to 64
 WGMMA_MIN_SEQ = 8192          # below this the per-tile latency, not the MMA rate, decides
@@ -699,31 +1001,39 @@ def _core(core: str | None) -> str:
 
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
-                  core: str | None = None):
+                  core: str | None = None, early_kv: bool = False):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
-    always pads the heads to 64 and ignores h_pad and fp8_f16."""
-    if _core(core) == "wgmma":
+    always pads the heads to 64 and ignores h_pad and fp8_f16; the swapab core uses h_pad (16 /
+    32, its wgmma N), ignores fp8_f16 and refuses an fp8 cache (ValueError)."""
+    core = _core(core)
+    if core == "swapab":
+        from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
+        return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad))
+    if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
-        return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens))
+        return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
     fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
-    return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16)
+    return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16, bool(early_kv))
 
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
-                 core: str | None = None, dump_dir: str | None = None):
+                 core: str | None = None, dump_dir: str | None = None, early_kv: bool = False):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core, early_kv)
     if dump_dir is not None:
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     if core == "wgmma":
-        key = ("main", core, bool(kv_fp8), int(page_tokens))
+        key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
+    elif core == "swapab":
+        key = ("main", core, int(h_pad), int(page_tokens))
     else:
         fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
-        key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens)) + ((fp8_f16,) if kv_fp8 else ())
+        key = (("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
+               + ((fp8_f16,) if kv_fp8 else ()))
     if key not in _COMPILED:
         _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
     return _COMPILED[key][1]
@@ -771,14 +1081,17 @@ def choose_num_splits(batch: int, max_seq_len: int, heads: int, num_sms: int = N
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-    fp8_f16: bool | None = None, core: str | None = None, **_ignored,
+    fp8_f16: bool | None = None, core: str | None = None, early_kv: bool = False, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
     lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
     split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
-    ("mma" / "wgmma"; default CORE, from PDSERVE_MLA_CORE, whose default "auto" asks
-    choose_core with max_seq_len or, when num_splits is not given either, seq_lens.max())."""
+    ("mma" / "wgmma" / "swapab" (bf16 cache only); default CORE, from PDSERVE_MLA_CORE, whose
+    default "auto" asks choose_core with max_seq_len or, when num_splits is not given either,
+    seq_lens.max()). `early_kv` (mma and wgmma cores) lets the kernel read seq_lens, the block
+    table and the cache before the previous kernel in the stream has finished (PDL): only when
+    that kernel writes none of them."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -798,6 +1111,9 @@ def mla_decode_cutedsl(
         num_splits = choose_num_splits(B, msl, H)
     if core is None and CORE == "auto":
         core = choose_core(H, msl)
+    if fp8 and _core(core) == "swapab":
+        raise ValueError("MLA decode core 'swapab' supports a bf16 KV cache only; got an fp8 "
+                         "e4m3 cache (use core='mma' or 'wgmma')")
     assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device
@@ -813,7 +1129,7 @@ def mla_decode_cutedsl(
     for t in (q, kv_cache, out, o_part):
         assert t.data_ptr() % 16 == 0, "16-byte aligned tensors required"
 
-    main = compile_main(fp8, hp, page_tokens, fp8_f16, core)
+    main = compile_main(fp8, hp, page_tokens, fp8_f16, core, early_kv=early_kv)
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)

@@ -77,9 +77,10 @@ BAR_WG0 = 2                 # + consumer warpgroup index
 class MlaDecodeWgmmaKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3) and page size (a multiple of 64)."""
 
-    def __init__(self, kv_fp8: bool, page_tokens: int):
+    def __init__(self, kv_fp8: bool, page_tokens: int, early_kv: bool = False):
         assert page_tokens % TILE_N == 0, page_tokens
         self.kv_fp8 = kv_fp8
+        self.early_kv = early_kv      # as MlaDecodeKernel's: the producer's TMAs before the wait
         self.page_tokens = page_tokens
         self.tiles_per_page = page_tokens // TILE_N
         self.kv_dtype = cutlass.Float8E4M3FN if kv_fp8 else BFloat16
@@ -207,8 +208,10 @@ class MlaDecodeWgmmaKernel:
 
         # PDL both ways: the combine may become resident now (it waits for our partials), and
         # nothing here is read or written before the previous kernel in the stream completed
+        # (with early_kv the producer reads seq_lens, the block table and the cache before it)
         cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.early_kv):
+            cute.arch.griddepcontrol_wait()
         seqlen = mSeq[b]
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tiles_per_split = (n_tiles + num_splits - 1) // num_splits
@@ -217,6 +220,8 @@ class MlaDecodeWgmmaKernel:
 
         if t_begin >= t_end:
             # an empty split (short request): only its LSE, which the combine skips
+            if cutlass.const_expr(self.early_kv):
+                cute.arch.griddepcontrol_wait()
             if tidx < heads:
                 mLsep[split, b, tidx] = -Float32.inf
         else:
@@ -259,6 +264,8 @@ class MlaDecodeWgmmaKernel:
                 wtid = tidx % 128
 
                 # Q -> smem (rows >= H zero)
+                if cutlass.const_expr(self.early_kv):
+                    cute.arch.griddepcontrol_wait()
                 thr_q = copy_q.get_slice(ctid)
                 gQ = cute.local_tile(mQ[b, None, None], (M, D_QK), (0, 0))
                 tQg = thr_q.partition_S(gQ)

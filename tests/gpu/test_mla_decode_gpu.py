@@ -2,8 +2,9 @@
 
 Fresh random inputs each run; outputs and LSE are NaN-poisoned before the kernel, and the
 padding page and every cache row past a request's end are NaN too, so unwritten outputs or
-reads past the end show up as NaN. Both attention cores run every case: "mma" (mma.sync, the
-default) and "wgmma" (warpgroup MMA + TMA producer; heads padded to 64).
+reads past the end show up as NaN. The attention cores run every case: "mma" (mma.sync, the
+default), "wgmma" (warpgroup MMA + TMA producer; heads padded to 64) and "swapab" (warpgroup MMA
+with the heads as the MMA's N; bf16 cache only, its fp8 cases are skipped).
 """
 import pytest
 import torch
@@ -15,7 +16,8 @@ pytestmark = [
 
 SCALE = 192 ** -0.5
 PAGE = 64
-CORES = ["mma", "wgmma"]
+CORES = ["mma", "wgmma", "swapab"]
+BF16_ONLY_CORES = ("swapab",)
 
 
 def _sm90():
@@ -95,6 +97,8 @@ def _b64_lens():
 @pytest.mark.parametrize("case", list(LENS))
 @pytest.mark.parametrize("core", CORES)
 def test_matches_reference(core, case, H, fp8):
+    if fp8 and core in BF16_ONLY_CORES:
+        pytest.skip(f"core {core!r} supports a bf16 cache only (refuses fp8 with ValueError)")
     lens = LENS[case] or _b64_lens()
     check(lens, H, fp8, core=core)
 
@@ -108,13 +112,30 @@ def test_wgmma_larger_pages(page_tokens, fp8):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_f16mma", "wgmma_bf16", "wgmma_fp8"])
+@pytest.mark.parametrize("H", [12, 32])
+@pytest.mark.parametrize("page_tokens", [128, 256])
+def test_swapab_larger_pages(page_tokens, H):
+    """swapab core (bf16 only), several tiles per page, both head paddings (N = 16 / 32)."""
+    check([1, 127, 129, 3000, 20000 + 33], H, False, page_tokens=page_tokens, core="swapab")
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+def test_swapab_refuses_fp8_cache():
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    q, cache, bt, seq, kv_scale = make_case([100], 32, True)
+    with pytest.raises(ValueError, match="bf16 KV cache only"):
+        mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, core="swapab")
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_f16mma", "wgmma_bf16", "wgmma_fp8",
+                                     "swapab_bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3, 64, 300])
 def test_forced_splits(num_splits, variant):
     """Both epilogues (direct and partial + combine), many empty splits; the fp8 cache also
     through fp16 MMA operands (the alternative to the default bf16 widening, mma core only)."""
     kw = {"fp8_f16": True} if variant == "fp8_f16mma" else {}
-    kw["core"] = "wgmma" if variant.startswith("wgmma") else "mma"
+    kw["core"] = variant.split("_")[0] if variant.startswith(("wgmma", "swapab")) else "mma"
     check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, not variant.endswith("bf16"),
           num_splits=num_splits, **kw)
 
@@ -151,3 +172,37 @@ def test_registry_resolves_cutedsl_on_h200():
     q, cache, bt, seq, _ = make_case([10], 12, False)
     res = registry.resolve("mla_decode", "cutedsl", problem_from_tensors(q, cache))
     assert res.backend == "cutedsl", res.fallback_reason
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("core", ["mma", "wgmma"])    # the cores that implement early_kv
+@pytest.mark.parametrize("fp8", [False, True])
+def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
+    """early_kv reads the cache before the PDL wait. Eager: the reference. Then a CUDA graph of
+    several calls back to back (each the previous one's PDL dependent, the previous combine
+    still running while the next main kernel loads its tiles) gives the same bits as eager."""
+    from functools import partial
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    for lens in ([1], [65], [8192 + 17], [1, 2, 63, 64, 65, 129, 4097, 40000]):
+        check(lens, 32 if core == "wgmma" else 12, fp8, core=core, early_kv=True)
+    run = partial(mla_decode_cutedsl, core=core, early_kv=True, num_splits=16)
+    cases = [make_case(lens, 12, fp8) for lens in ([100, 5000], [70000, 1], [8192, 8192])]
+    want = [run(q, c, bt, seq, SCALE, kv) for q, c, bt, seq, kv in cases]
+    outs = [(torch.empty_like(o), torch.empty_like(l)) for o, l in want]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for (q, c, bt, seq, kv), (o, l) in zip(cases, outs):
+            run(q, c, bt, seq, SCALE, kv, out=o, lse=l)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for (q, c, bt, seq, kv), (o, l) in zip(cases, outs):
+            run(q, c, bt, seq, SCALE, kv, out=o, lse=l)
+    for o, l in outs:
+        o.fill_(float("nan"))
+        l.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    for (o, l), (wo, wl) in zip(outs, want):
+        assert torch.equal(o, wo) and torch.equal(l, wl)
