@@ -38,9 +38,8 @@ FP8_F16 = False
 
 
 def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early_kv=False):
-    from pdserve.kernels.mla_decode.cutedsl import choose_core, choose_num_splits, mla_decode_cutedsl
-    if core in (None, "auto"):
-        core = choose_core(H, L)
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call
+    core, splits = plan_call(B, H, L, fp8, core, early_kv, splits)
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     n_sets = max(1, min(64, -(-ROTATE_BYTES // per_call)))     # disjoint page sets
@@ -57,7 +56,6 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early
     bts = perm.view(n_sets, B, pages_per_req).contiguous()
     seq = torch.full((B,), L, dtype=torch.int32, device="cuda")
     qs = [torch.randn(B, H, 576, device="cuda").to(torch.bfloat16) for _ in range(K)]
-    splits = splits or choose_num_splits(B, L, H)
     outs = [torch.empty(B, H, 512, dtype=torch.bfloat16, device="cuda") for _ in range(K)]
     lses = [torch.empty(B, H, dtype=torch.float32, device="cuda") for _ in range(K)]
 

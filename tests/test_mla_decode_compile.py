@@ -142,21 +142,37 @@ def test_split_choice(B, L, H):
     s = mc.choose_num_splits(B, L, H)
     assert 1 <= s <= max(1, -(-L // mc.TILE_N))
     assert B * s <= 132 or s == 1                # one wave of CTAs
+    assert mc.choose_num_splits(B, L, H, ctas_per_sm=2) <= max(2 * s, 1)
     if B == 1 and L >= 8192:
         assert s >= 64                           # small batch: spread a long context wide
 
 
 def test_choose_core_follows_the_h200_measurements():
-    # wgmma pads every H to 64 rows: only long contexts with H > 16 repay it (cutedsl docstring)
-    assert mc.choose_core(32, 8192) == "wgmma"
-    assert mc.choose_core(32, 131072) == "wgmma"
-    assert mc.choose_core(32, 1024) == "mma"
-    assert mc.choose_core(12, 131072) == "mma"
-    assert mc.choose_core(32, None) == "mma"        # unknown length (captured, num_splits only)
+    # bf16: swapab everywhere, unless early_kv is allowed on a small problem (cutedsl.choose_core)
+    assert mc.choose_core(32, 8192) == "swapab"
+    assert mc.choose_core(12, 1024, batch=64) == "swapab"
+    assert mc.choose_core(12, None) == "swapab"        # unknown length (captured, num_splits only)
+    assert mc.choose_core(12, 8192, early_kv=True) == "mma"
+    assert mc.choose_core(32, 8192, early_kv=True) == "wgmma"
+    assert mc.choose_core(32, 1024, early_kv=True) == "mma"
+    assert mc.choose_core(32, 32768, batch=8, early_kv=True) == "swapab"
+    # fp8: mma (2 CTAs/SM at H <= 16) for large B x L, wgmma for small
+    assert mc.choose_core(12, 32768, batch=64, kv_fp8=True) == "mma"
+    assert mc.choose_core(12, 8192, kv_fp8=True) == "wgmma"
+    assert mc.choose_core(32, 32768, batch=8, kv_fp8=True) == "wgmma"
+    assert mc.choose_core(32, 32768, batch=64, kv_fp8=True) == "mma"
+    assert mc.choose_core(32, None, kv_fp8=True) == "wgmma"
+
+
+def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():
+    assert mc.plan_call(64, 12, 32768, True, "auto", False) == ("mma", 4)
+    assert mc.plan_call(64, 12, 32768, False, "auto", False) == ("swapab", 2)
+    assert mc.plan_call(64, 32, 32768, True, "mma", False) == ("mma", 2)    # h_pad 32: 1 CTA/SM
+    assert mc.plan_call(1, 12, 8192, True, "wgmma", False, num_splits=7) == ("wgmma", 7)
 
 
 @pytest.mark.parametrize("core,kv_fp8", [("mma", False), ("mma", True), ("wgmma", False),
-                                         ("wgmma", True)])
+                                         ("wgmma", True), ("swapab", False)])
 def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, core, kv_fp8):
     # default: one griddepcontrol.wait at the kernel's entry, ahead of every global access;
     # early_kv: none at entry, one in the empty-split branch and one after the KV loads are

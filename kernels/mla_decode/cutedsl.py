@@ -6,8 +6,8 @@ the request's tokens, in 64-token tiles that each lie inside one cache page:
 
   * gmem -> smem: cp.async 16-byte copies of the [64, 576] tile (bf16), or of the raw fp8 e4m3
     tile (per-tensor scale folded into the softmax scale and the output), whose MMA operands
-    are then built in registers straight from the raw bytes (MlaDecodeKernel docstring;
-    branch mla-fp8-direct, UNTESTED ON A GPU); a 2-4 deep ring of tiles.
+    are then built in registers straight from the raw bytes (MlaDecodeKernel docstring); a 2-4
+    deep ring of tiles. The fp8 variant at h_pad = 16 keeps two CTAs per SM.
   * S = Q K^T with mma.sync m16n8k16 (bf16 in, or fp16 for the fp8 cache; fp32 accumulate):
     the heads (padded to 16/32) are M, the 64 tokens N (four warps along N, 16 tokens each),
     the 576 dims K.
@@ -25,30 +25,24 @@ LSE = -inf only, and the combine skips it.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
-Status on the H200, session 5 (benchmarks/results/mla_decode_h200_auto.json: `choose_core` per
-cell, at least 16 calls per CUDA graph, PDL and the wide combine below; CUDA-graph medians):
-  * bf16 H=12 reaches 86-96 % of the 4245 GB/s copy floor where B x L >= 256K tokens; H=32
-    74-79 %, and its large wgmma cells vary from run to run (B=64 L=128K: 2634.9 us = 86 % as
-    one call per graph, 2908.6 and 3060.2 us = 78 % / 74 % with 16 back-to-back calls; spreads
-    of 0.6-0.8 ms within one cell), which looks like clocks dropping under sustained load (not
-    yet checked with clock readings).
-  * fp8 stays at 32-38 % of its floor: the per-tile MMA + softmax chain (~2.7 us per tile and CTA
-    when streaming), not the bytes, limits it, and halving the bytes does not shorten it.
-    (Measured with the old fp8 path that widened every tile to bf16 in smem; the direct path
-    of branch mla-fp8-direct that replaced it has not run on a GPU yet.)
-  * B=1, L=8K: 11.2 us at H=12, 13.9 at H=32 (target 10; 16.8 / 19.0 before this session).
-    The combine used to be ~4 dependent DRAM round trips in H CTAs after a second launch gap:
-    now every kernel is launched with PDL and triggers its dependents on entry (the next launch
-    overlaps the running one), and many splits (`choose_combine`) spread each head over 4 CTAs
-    of 16 split groups. Both together took B=1 L=8K H=12 from 14.7 to 11.2 us and L=32K from
-    25.0 to 18.6 us. Split counts 64-132 are within 0.3 us of each other at L=8K.
-  * `early_kv=True` (opt-in, branch mla-early-kv until it has run on the H200): the main kernels
-    issue seq_lens, block-table and first KV-tile reads before griddepcontrol.wait, so at
-    B = 1 the first tile's DRAM round trips overlap the previous kernel; Q and every write stay
-    behind the wait. Contract: the kernel right before it in the stream writes none of those.
-  * Next steps: a fused combine (branch mla-fused-combine, one launch: 13.6 us before the
-    changes above), fp8 QK with a quantized query, and a swap-AB formulation (tokens as the MMA's
-    M) so that H <= 32 heads do not pad every MMA to 64 rows.
+Status on the H200 (2026-11-29, session 6; CUDA-graph medians, >= 16 calls per graph):
+  * bf16: the swapab core (swapab.py) reaches 85-105 % of the 4245 GB/s copy floor in every cell
+    with B x L >= 256K tokens, at H = 12 and H = 32 (benchmarks/results/mla_decode_h200_swapab.json;
+    above 100 % because a pure read stream beats the copy's read + write mix). It is faster than
+    the mma and wgmma cores in every cell of the benchmark grid when neither reads early.
+  * B = 1, L = 8K, bf16: 9.8 us at H = 12 with early_kv (mma core), 12.3 us at H = 32 (wgmma);
+    swapab without early reads 10.5 / 12.8 (mla_decode_h200_auto_early_kv.json).
+  * `early_kv=True` (opt-in; all three cores): the main kernel issues its seq_lens,
+    block-table and first KV-tile reads before griddepcontrol.wait, so the first tile's DRAM
+    round trips overlap the previous kernel; Q and every write stay behind the wait. Contract:
+    the kernel right before it in the stream writes none of those.
+  * fp8: the mma core's direct-operand path with two CTAs per SM at H = 12 reaches 78-84 % where
+    B x L >= 1M (B=64 L=32K 340.0 us, 84 %, with 4 splits; mla_decode_h200_cores.json), 53 % at
+    B=8 L=32K; at H = 32 (one CTA per SM) 33-43 %. At small B x L its long per-tile chain
+    (~2.9-3.5 us per tile and CTA) loses to the wgmma core, which widens whole tiles to bf16
+    (B=1 L=8K 13.4 vs 20.1 us). `choose_core` follows these measurements.
+  * Every kernel is launched with PDL and triggers its dependents on entry; the combine spreads
+    each head over 4 CTAs of 16 split groups when there are many splits (`choose_combine`).
 
 Cores: this module's `MlaDecodeKernel` (mma.sync, above; core="mma") and the warpgroup-MMA core
 in wgmma.py (`MlaDecodeWgmmaKernel`, core="wgmma": 64-row wgmma with Q in smem, S and P in
@@ -63,8 +57,7 @@ tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside mla_decode_h200
     fp8  H=32:  wgmma faster from L=8K on (B=64 L=32K 818.8 vs 941.9); fp8 H=12: mma faster.
 A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab", bf16 cache only), swaps A and B
 so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
-padding to 64 rows. It only runs when asked for (core="swapab" or PDSERVE_MLA_CORE=swapab);
-choose_core never picks it. Compiles on CPU; not yet run on a GPU.
+padding to 64 rows; `choose_core` picks it for every bf16 call without early_kv.
 """
 from __future__ import annotations
 
@@ -976,20 +969,36 @@ FP8_F16 = False
 
 
 # attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or
-# "swapab" (swapab.MlaDecodeSwapAbKernel: heads as the wgmma N, bf16 cache only, never chosen by
-# choose_core); "auto" lets choose_core pick per call
+# "swapab" (swapab.MlaDecodeSwapAbKernel: heads as the wgmma N, bf16 cache only); "auto" lets
+# choose_core pick per call
 CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
 WGMMA_MIN_HEADS = 17          # mma.sync pads H <= 16 to 16 rows, wgmma every H to 64
 WGMMA_MIN_SEQ = 8192          # below this the per-tile latency, not the MMA rate, decides
+EARLY_KV_MAX_TOKENS = 256 * 1024   # bf16 + early_kv: below this B x L the early reads win
+FP8_MMA_MIN_TOKENS = {16: 128 * 1024, 32: 1024 * 1024}   # fp8: mma.sync from this B x L on
 
 
-def choose_core(heads: int, max_seq_len: int | None) -> str:
-    """The faster core on the H200 for this shape (module docstring); "mma" when the context
-    length is unknown (a captured call that passed num_splits only)."""
-    if max_seq_len is not None and heads >= WGMMA_MIN_HEADS and max_seq_len >= WGMMA_MIN_SEQ:
-        return "wgmma"
-    return "mma"
+def choose_core(heads: int, max_seq_len: int | None, batch: int = 1, kv_fp8: bool = False,
+                early_kv: bool = False) -> str:
+    """The faster core on the H200 for this call (H200, 2026-11-29, CUDA-graph medians in us;
+    benchmarks/results/mla_decode_h200_cores.json):
+      * bf16: swapab in all 24 cells of the benchmark grid against the other two cores without
+        early_kv (e.g. H=32 B=64 L=32K 566.7 vs wgmma 748.6, H=12 B=1 L=8K 10.5 vs mma 11.2).
+        swapab has no early_kv: where the caller allows it and B x L < 256K the mma / wgmma core
+        with early reads is faster (H=12 B=1 L=8K 9.8, H=32 12.3 vs swapab 10.5 / 12.8), above
+        that swapab still wins.
+      * fp8: the mma core's 2-CTA/SM variant (H <= 16) from B x L >= 128K (B=64 L=32K 340.0 us
+        with 4 splits vs wgmma 791.8), wgmma below (B=1 L=8K 13.4 vs 20.1); H > 16: mma from
+        B x L >= 1M (B=64 L=32K 656.3 vs 800.5), wgmma below (B=1 L=8K 14.6 vs 29.3).
+    An unknown length (a captured call that passed num_splits only) counts as short."""
+    tokens = 0 if max_seq_len is None else batch * int(max_seq_len)
+    if kv_fp8:
+        return "mma" if tokens >= FP8_MMA_MIN_TOKENS[h_pad_for(heads)] else "wgmma"
+    if early_kv and tokens < EARLY_KV_MAX_TOKENS:
+        long = max_seq_len is not None and max_seq_len >= WGMMA_MIN_SEQ
+        return "wgmma" if heads >= WGMMA_MIN_HEADS and long else "mma"
+    return "swapab"
 
 
 def _core(core: str | None) -> str:
@@ -1008,7 +1017,7 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | No
     core = _core(core)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
-        return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad))
+        return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv))
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
@@ -1029,7 +1038,7 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | Non
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
-        key = ("main", core, int(h_pad), int(page_tokens))
+        key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     else:
         fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
         key = (("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
@@ -1069,13 +1078,33 @@ def h_pad_for(heads: int) -> int:
     return 16 if heads <= 16 else 32
 
 
-def choose_num_splits(batch: int, max_seq_len: int, heads: int, num_sms: int = NUM_SMS_H200) -> int:
-    """KV splits per request: one wave of CTAs (one 190-220 KB CTA per SM), at least two tiles
-    per split. From the H200 sweeps in benchmarks/results/mla_decode_h200.json (H=32, bf16, with
-    the 4-group combine): B=1 L=8K 64 splits 16.4 us (128: 18.9, 32: 19.2); B=1 L=32K 128: 27.7
-    (64: 32.3); B=8 L=32K 16 splits best (100.9 us). `heads` is unused so far."""
+def choose_num_splits(batch: int, max_seq_len: int, heads: int, ctas_per_sm: int = 1,
+                      num_sms: int = NUM_SMS_H200) -> int:
+    """KV splits per request: one wave of CTAs (`ctas_per_sm` resident per SM: 2 for the mma
+    core's fp8 variant at H <= 16, else 1), at least two tiles per split. From the H200 sweeps
+    (benchmarks/results/mla_decode_h200.json, H=32 bf16 with the 4-group combine: B=1 L=8K 64
+    splits 16.4 us (128: 18.9, 32: 19.2); B=1 L=32K 128: 27.7 (64: 32.3); B=8 L=32K 16 best;
+    2026-11-29, fp8 H=12 mma, 2 CTAs/SM: B=64 L=32K 4 splits 340.0 us (2: 451.3), B=8 L=128K 32
+    splits 182.5 us (16: 323.2)). `heads` is unused so far."""
     tiles = max(1, -(-int(max_seq_len) // TILE_N))
-    return max(1, min(num_sms // max(1, batch), -(-tiles // 2), CombineKernel.max_splits))
+    wave = num_sms * max(1, int(ctas_per_sm))
+    return max(1, min(wave // max(1, batch), -(-tiles // 2), CombineKernel.max_splits))
+
+
+def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, core: str | None,
+              early_kv: bool, num_splits: int | None = None) -> tuple[str, int]:
+    """(core, num_splits) for one call: `core` None / "auto" asks choose_core (unless
+    PDSERVE_MLA_CORE names one), num_splits None asks choose_num_splits with that core's CTAs per
+    SM. max_seq_len is required when num_splits is None."""
+    if core is None:
+        core = CORE
+    if core == "auto":
+        core = choose_core(heads, max_seq_len, batch, kv_fp8, early_kv)
+    core = _core(core)
+    if num_splits is None:
+        per_sm = kernel_config(kv_fp8, h_pad_for(heads), TILE_N, None, core, early_kv).ctas_per_sm
+        num_splits = choose_num_splits(batch, max_seq_len, heads, per_sm)
+    return core, num_splits
 
 
 def mla_decode_cutedsl(
@@ -1089,7 +1118,7 @@ def mla_decode_cutedsl(
     split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
     ("mma" / "wgmma" / "swapab" (bf16 cache only); default CORE, from PDSERVE_MLA_CORE, whose
     default "auto" asks choose_core with max_seq_len or, when num_splits is not given either,
-    seq_lens.max()). `early_kv` (mma and wgmma cores) lets the kernel read seq_lens, the block
+    seq_lens.max()). `early_kv` lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when
     that kernel writes none of them."""
     import torch
@@ -1106,14 +1135,9 @@ def mla_decode_cutedsl(
     hp = h_pad_for(H)
     num_pages, page_tokens, _ = kv_cache.shape
     msl = int(max_seq_len) if max_seq_len is not None else None
-    if num_splits is None:
-        msl = msl if msl is not None else int(seq_lens.max().item())
-        num_splits = choose_num_splits(B, msl, H)
-    if core is None and CORE == "auto":
-        core = choose_core(H, msl)
-    if fp8 and _core(core) == "swapab":
-        raise ValueError("MLA decode core 'swapab' supports a bf16 KV cache only; got an fp8 "
-                         "e4m3 cache (use core='mma' or 'wgmma')")
+    if num_splits is None and msl is None:
+        msl = int(seq_lens.max().item())
+    core, num_splits = plan_call(B, H, msl, fp8, core, early_kv, num_splits)
     assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device

@@ -75,7 +75,7 @@ class MlaDecodeSwapAbKernel:
     """One compiled variant: padded head count (16 / 32 = the wgmma N) and page size (a multiple
     of 64). bf16 cache only."""
 
-    def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int):
+    def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False):
         if kv_fp8:
             raise ValueError("MLA decode core 'swapab' supports a bf16 KV cache only, not fp8 "
                              "(use core='mma' or 'wgmma' for an fp8 cache)")
@@ -84,6 +84,8 @@ class MlaDecodeSwapAbKernel:
         if page_tokens % TILE_N != 0:
             raise ValueError(f"page_tokens must be a multiple of {TILE_N}, got {page_tokens}")
         self.kv_fp8 = False
+        self.early_kv = early_kv      # as MlaDecodeKernel's: the producer's TMAs before the wait
+        self.ctas_per_sm = 1
         self.page_tokens = page_tokens
         self.tiles_per_page = page_tokens // TILE_N
         self.kv_dtype = BFloat16
@@ -198,8 +200,10 @@ class MlaDecodeSwapAbKernel:
 
         # PDL both ways: the combine may become resident now (it waits for our partials), and
         # nothing here is read or written before the previous kernel in the stream completed
+        # (with early_kv the producer reads seq_lens, the block table and the cache before it)
         cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(not self.early_kv):
+            cute.arch.griddepcontrol_wait()
         seqlen = mSeq[b]
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tiles_per_split = (n_tiles + num_splits - 1) // num_splits
@@ -208,6 +212,8 @@ class MlaDecodeSwapAbKernel:
 
         if t_begin >= t_end:
             # an empty split (short request): only its LSE, which the combine skips
+            if cutlass.const_expr(self.early_kv):
+                cute.arch.griddepcontrol_wait()
             if tidx < heads:
                 mLsep[split, b, tidx] = -Float32.inf
         else:
@@ -250,6 +256,8 @@ class MlaDecodeSwapAbKernel:
                 lane = wtid % 32
 
                 # Q -> smem (rows >= H zero)
+                if cutlass.const_expr(self.early_kv):
+                    cute.arch.griddepcontrol_wait()
                 thr_q = copy_q.get_slice(wtid)
                 gQ = cute.local_tile(mQ[b, None, None], (hp, D_QK), (0, 0))
                 tQg = thr_q.partition_S(gQ)

@@ -81,6 +81,7 @@ class MlaDecodeWgmmaKernel:
         assert page_tokens % TILE_N == 0, page_tokens
         self.kv_fp8 = kv_fp8
         self.early_kv = early_kv      # as MlaDecodeKernel's: the producer's TMAs before the wait
+        self.ctas_per_sm = 1
         self.page_tokens = page_tokens
         self.tiles_per_page = page_tokens // TILE_N
         self.kv_dtype = cutlass.Float8E4M3FN if kv_fp8 else BFloat16

@@ -175,7 +175,7 @@ def test_registry_resolves_cutedsl_on_h200():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("core", ["mma", "wgmma"])    # the cores that implement early_kv
+@pytest.mark.parametrize("core", ["mma", "wgmma", "swapab"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
     """early_kv reads the cache before the PDL wait. Eager: the reference. Then a CUDA graph of
@@ -184,7 +184,7 @@ def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
     from functools import partial
     from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
     for lens in ([1], [65], [8192 + 17], [1, 2, 63, 64, 65, 129, 4097, 40000]):
-        check(lens, 32 if core == "wgmma" else 12, fp8, core=core, early_kv=True)
+        check(lens, 12 if core == "mma" else 32, fp8, core=core, early_kv=True)
     run = partial(mla_decode_cutedsl, core=core, early_kv=True, num_splits=16)
     cases = [make_case(lens, 12, fp8) for lens in ([100, 5000], [70000, 1], [8192, 8192])]
     want = [run(q, c, bt, seq, SCALE, kv) for q, c, bt, seq, kv in cases]
