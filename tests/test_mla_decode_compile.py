@@ -148,14 +148,10 @@ def test_split_choice(B, L, H):
 
 
 def test_choose_core_follows_the_h200_measurements():
-    # bf16: swapab everywhere, unless early_kv is allowed on a small problem (cutedsl.choose_core)
+    # bf16: swapab everywhere (cutedsl.choose_core)
     assert mc.choose_core(32, 8192) == "swapab"
     assert mc.choose_core(12, 1024, batch=64) == "swapab"
     assert mc.choose_core(12, None) == "swapab"        # unknown length (captured, num_splits only)
-    assert mc.choose_core(12, 8192, early_kv=True) == "mma"
-    assert mc.choose_core(32, 8192, early_kv=True) == "wgmma"
-    assert mc.choose_core(32, 1024, early_kv=True) == "mma"
-    assert mc.choose_core(32, 32768, batch=8, early_kv=True) == "swapab"
     # fp8: mma (2 CTAs/SM at H <= 16) for large B x L, wgmma for small
     assert mc.choose_core(12, 32768, batch=64, kv_fp8=True) == "mma"
     assert mc.choose_core(12, 8192, kv_fp8=True) == "wgmma"

@@ -27,11 +27,11 @@ the sigmoid output gate.
 
 Status on the H200 (2026-11-29, session 6; CUDA-graph medians, >= 16 calls per graph):
   * bf16: the swapab core (swapab.py) reaches 85-105 % of the 4245 GB/s copy floor in every cell
-    with B x L >= 256K tokens, at H = 12 and H = 32 (benchmarks/results/mla_decode_h200_swapab.json;
+    with B x L >= 256K tokens, at H = 12 and H = 32 (benchmarks/results/mla_decode_h200_auto.json;
     above 100 % because a pure read stream beats the copy's read + write mix). It is faster than
-    the mma and wgmma cores in every cell of the benchmark grid when neither reads early.
-  * B = 1, L = 8K, bf16: 9.8 us at H = 12 with early_kv (mma core), 12.3 us at H = 32 (wgmma);
-    swapab without early reads 10.5 / 12.8 (mla_decode_h200_auto_early_kv.json).
+    the mma and wgmma cores in every cell of the benchmark grid.
+  * B = 1, L = 8K, bf16 (swapab): 8.8 us at H = 12 and 11.6 us at H = 32 with early_kv, 10.6 /
+    12.9 without (mla_decode_h200_swapab_early_kv.json, mla_decode_h200_auto.json).
   * `early_kv=True` (opt-in; all three cores): the main kernel issues its seq_lens,
     block-table and first KV-tile reads before griddepcontrol.wait, so the first tile's DRAM
     round trips overlap the previous kernel; Q and every write stay behind the wait. Contract:
@@ -973,32 +973,25 @@ FP8_F16 = False
 # choose_core pick per call
 CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
-WGMMA_MIN_HEADS = 17          # mma.sync pads H <= 16 to 16 rows, wgmma every H to 64
-WGMMA_MIN_SEQ = 8192          # below this the per-tile latency, not the MMA rate, decides
-EARLY_KV_MAX_TOKENS = 256 * 1024   # bf16 + early_kv: below this B x L the early reads win
 FP8_MMA_MIN_TOKENS = {16: 128 * 1024, 32: 1024 * 1024}   # fp8: mma.sync from this B x L on
 
 
-def choose_core(heads: int, max_seq_len: int | None, batch: int = 1, kv_fp8: bool = False,
-                early_kv: bool = False) -> str:
-    """The faster core on the H200 for this call (H200, 2026-11-29, CUDA-graph medians in us;
-    benchmarks/results/mla_decode_h200_cores.json):
-      * bf16: swapab in all 24 cells of the benchmark grid against the other two cores without
-        early_kv (e.g. H=32 B=64 L=32K 566.7 vs wgmma 748.6, H=12 B=1 L=8K 10.5 vs mma 11.2).
-        swapab has no early_kv: where the caller allows it and B x L < 256K the mma / wgmma core
-        with early reads is faster (H=12 B=1 L=8K 9.8, H=32 12.3 vs swapab 10.5 / 12.8), above
-        that swapab still wins.
+def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
+                kv_fp8: bool = False) -> str:
+    """The faster core on the H200 for this call (2026-11-29, CUDA-graph medians in us):
+      * bf16: swapab, faster than the mma and wgmma cores in all 24 cells of the benchmark grid,
+        with and without early_kv (e.g. H=32 B=64 L=32K 566.7 vs wgmma 748.6; H=12 B=1 L=8K
+        10.5 vs mma 11.2, with early_kv 8.8 vs 9.8; mla_decode_h200_swapab*.json against
+        mla_decode_h200_auto_early_kv.json and the session-5 auto run).
       * fp8: the mma core's 2-CTA/SM variant (H <= 16) from B x L >= 128K (B=64 L=32K 340.0 us
         with 4 splits vs wgmma 791.8), wgmma below (B=1 L=8K 13.4 vs 20.1); H > 16: mma from
-        B x L >= 1M (B=64 L=32K 656.3 vs 800.5), wgmma below (B=1 L=8K 14.6 vs 29.3).
+        B x L >= 1M (B=64 L=32K 656.3 vs 800.5), wgmma below (B=1 L=8K 14.6 vs 29.3)
+        (mla_decode_h200_cores.json).
     An unknown length (a captured call that passed num_splits only) counts as short."""
+    if not kv_fp8:
+        return "swapab"
     tokens = 0 if max_seq_len is None else batch * int(max_seq_len)
-    if kv_fp8:
-        return "mma" if tokens >= FP8_MMA_MIN_TOKENS[h_pad_for(heads)] else "wgmma"
-    if early_kv and tokens < EARLY_KV_MAX_TOKENS:
-        long = max_seq_len is not None and max_seq_len >= WGMMA_MIN_SEQ
-        return "wgmma" if heads >= WGMMA_MIN_HEADS and long else "mma"
-    return "swapab"
+    return "mma" if tokens >= FP8_MMA_MIN_TOKENS[h_pad_for(heads)] else "wgmma"
 
 
 def _core(core: str | None) -> str:
@@ -1099,7 +1092,7 @@ def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, cor
     if core is None:
         core = CORE
     if core == "auto":
-        core = choose_core(heads, max_seq_len, batch, kv_fp8, early_kv)
+        core = choose_core(heads, max_seq_len, batch, kv_fp8)
     core = _core(core)
     if num_splits is None:
         per_sm = kernel_config(kv_fp8, h_pad_for(heads), TILE_N, None, core, early_kv).ctas_per_sm
