@@ -1004,7 +1004,7 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | No
                   core: str | None = None, early_kv: bool = False):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad and fp8_f16; the swapab core uses h_pad (16 /
-    32, its wgmma N), ignores fp8_f16 and refuses an fp8 cache (ValueError)."""
+    32, its wgmma N) and ignores fp8_f16."""
     core = _core(core)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
@@ -1029,7 +1029,7 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | Non
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
-        key = ("main", core, int(h_pad), int(page_tokens))
+        key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens))
     else:
         fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
         key = (("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
@@ -1111,9 +1111,6 @@ def mla_decode_cutedsl(
         num_splits = choose_num_splits(B, msl, H)
     if core is None and CORE == "auto":
         core = choose_core(H, msl)
-    if fp8 and _core(core) == "swapab":
-        raise ValueError("MLA decode core 'swapab' supports a bf16 KV cache only; got an fp8 "
-                         "e4m3 cache (use core='mma' or 'wgmma')")
     assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device
