@@ -112,10 +112,14 @@ class MlaDecodeSwapAbKernel:
         assert self.stages >= 2, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
-        # fp8: wgmma groups (of 4) allowed in flight while the next A fragments are built
-        self.qk_in_flight = 2
+        # fp8: wgmma groups allowed in flight while the next A fragments are built (S: groups of
+        # the 4 k-steps of a 64-dim chunk; PV: groups of pv_group M blocks of one k-step). At
+        # h_pad 32 (O^T = 128 registers) only this choice compiles without a spill stack (ptxas,
+        # CPU build): S serial per chunk, PV 2 groups of 2 blocks in flight.
+        self.qk_in_flight = 2 if h_pad == 16 else 1
         self.pv_in_flight = 2
-        self.pv_group = 4           # M blocks (of 64 latent dims) per PV wgmma group
+        self.pv_group = 4 if h_pad == 16 else 2
+        self.consumer_regs = CONSUMER_REGS
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -278,7 +282,7 @@ class MlaDecodeSwapAbKernel:
                                   tKs[None, h.index], tma_bar_ptr=h.barrier)
             else:
                 # ---------------- consumer ----------------
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 wtid = tidx - 128             # 0..127
                 cwarp = wtid // 32            # 0..3: token rows [16 cwarp, +16) of S^T
                 lane = wtid % 32
@@ -348,7 +352,7 @@ class MlaDecodeSwapAbKernel:
                 if cutlass.const_expr(self.kv_fp8):
                     # per-thread shared byte addresses of the raw fp8 fragment loads (stage 0)
                     raw_base = sK.iterator.toint()
-                    k_addr = [raw_base + a for a in self._fp8_k_addresses(lane, cwarp)]
+                    k_addr = raw_base + self._fp8_k_addresses(lane, cwarp)
                     v_tok, v_off = self._fp8_v_addresses(lane, cwarp)
                     v_addr = [raw_base + a for a in v_off]
                     # O^T in 4-block (256-row) groups: the PV wgmma groups of one k-step
@@ -520,30 +524,31 @@ class MlaDecodeSwapAbKernel:
     @staticmethod
     def _fp8_k_addresses(lane, cwarp):
         """S^T's A = K [64 tokens, 576]: warp w, lane 4 g + tig holds rows m = 16 w + g and
-        16 w + g + 8 (tokens row_token(m)); with Q's dims permuted (Q_PERM) its k-step s of
+        16 w + g + 8 (tokens row_token(m), the second = the first + 8, at + 512 bytes); with Q's dims permuted (Q_PERM) its k-step s of
         64-dim chunk c is the 4 bytes 64 c + 16 tig + 4 s .. + 3 of each row (bytes 0, 1 ->
         k = 2 tig, 2 tig + 1; bytes 2, 3 -> k = 2 tig + 8, 2 tig + 9). One 16-byte load per row
-        and chunk: byte offsets of chunk 0 (chunk c: + c * FP8_BLOCK). A quarter warp reads rows
+        and chunk: returns the byte offset of row 16 w + g, chunk 0 (row + 8: + 512, chunk c:
+        + c * FP8_BLOCK). A quarter warp reads rows
         m, m + 1 (m even): tokens of opposite parity (opposite 64-byte halves of a 128-byte bank
         line), 4 distinct units each: conflict free."""
         g = lane // 4
         tig = lane % 4
-        return [MlaDecodeSwapAbKernel._raw_offset(
-            MlaDecodeSwapAbKernel.row_token(16 * cwarp + g + 8 * r), 16 * tig) for r in range(2)]
+        return MlaDecodeSwapAbKernel._raw_offset(
+            MlaDecodeSwapAbKernel.row_token(16 * cwarp + g), 16 * tig)
 
     @staticmethod
     def _fp8_v_addresses(lane, cwarp):
         """O^T's A = V^T [512 dims, 64 tokens]: warp w, lane 4 g + tig holds rows m = 64 mb + 16 w
         + g + 8 r8 = dim 128 w + 16 g + 2 mb + r8 (DIM_PERM), i.e. 16 consecutive bytes of a
-        token, and k = 2 tig + jp + 8 jh (+ 16 per k-step) = token row_token(k). Returns
-        (token, byte offset) of the 4 loads j = jp + 2 jh of k-step 0 (k-step ks: tokens + 16 ks,
-        offsets + 1024 ks). A quarter warp (g = 2 i, 2 i + 1; tig 0..3; jp, jh fixed) reads 4
+        token, and k = 2 tig + jp + 8 jh (+ 16 per k-step) = token row_token(k). Returns the
+        tokens and byte offsets of the loads jp = 0, 1 at jh = 0 of k-step 0 (jh = 1: tokens + 8,
+        offsets + 512; k-step ks: tokens + 16 ks, offsets + 1024 ks: the XOR only reads token
+        bits 1-2). A quarter warp (g = 2 i, 2 i + 1; tig 0..3; jp, jh fixed) reads 4
         tokens with distinct (bit 0, bit 2) = (jp ^ tig0, tig1), 16-byte unit g % 4 ^ (bit 1
         + 2 bit 2): 8 distinct 16-byte bank groups, conflict free."""
         g = lane // 4
         tig = lane % 4
-        toks = [MlaDecodeSwapAbKernel.row_token(2 * tig + (j % 2) + 8 * (j // 2))
-                for j in range(4)]
+        toks = [MlaDecodeSwapAbKernel.row_token(2 * tig + jp) for jp in range(2)]
         offs = [MlaDecodeSwapAbKernel._raw_offset(tok, 128 * cwarp + 16 * g) for tok in toks]
         return toks, offs
 
@@ -552,7 +557,7 @@ class MlaDecodeSwapAbKernel:
         cvt.rn.f16x2.e4m3x2 into the A fragments of 4 k-steps, one wgmma group of 4; the chunk's
         conversion overlaps the previous chunk's wgmmas (at most 2 groups in flight)."""
         for c in range(D_QK // 64):
-            kw = [MlaDecodeKernel._lds_u32(k_addr[r] + soff + FP8_BLOCK * c, 4)
+            kw = [MlaDecodeKernel._lds_u32(k_addr + soff + (FP8_BLOCK * c + 512 * r), 4)
                   for r in range(2)]
             rA = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 64)))  # (8, 1, 4)
             rA32 = cute.recast_tensor(rA, Int32)
@@ -577,11 +582,14 @@ class MlaDecodeSwapAbKernel:
         two wgmma groups of 4 M blocks (16 A registers each) per k-step, at most 2 in flight.
         The stage is released once every load of the tile has been consumed."""
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        lim = [n_valid - v_tok[jp] for jp in range(2)]
+        vbase = [v_addr[jp] + soff for jp in range(2)]
         for ks in range(TILE_N // 16):
             vw = []
             for j in range(4):
-                w = MlaDecodeKernel._lds_u32(v_addr[j] + soff + 1024 * ks, 4)
-                ok = v_tok[j] + 16 * ks < n_valid
+                jp, jh = j % 2, j // 2
+                w = MlaDecodeKernel._lds_u32(vbase[jp] + (1024 * ks + 512 * jh), 4)
+                ok = lim[jp] > 16 * ks + 8 * jh       # token v_tok[jp] + 16 ks + 8 jh < n_valid
                 vw.append([Int32(cutlass.select_(ok, w[i], Int32(0))) for i in range(4)])
             gb = self.pv_group
             for half in range(8 // gb):
