@@ -1087,7 +1087,7 @@ def mla_decode_cutedsl(
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
     lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
     split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
-    ("mma" / "wgmma" / "swapab" (bf16 cache only); default CORE, from PDSERVE_MLA_CORE, whose
+    ("mma" / "wgmma" / "swapab"); default CORE, from PDSERVE_MLA_CORE, whose
     default "auto" asks choose_core with max_seq_len or, when num_splits is not given either,
     seq_lens.max()). `early_kv` (mma and wgmma cores) lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when

@@ -2,7 +2,8 @@
 
 Same contract as the other cores (`MlaDecodeKernel` in cutedsl.py, `MlaDecodeWgmmaKernel` in
 wgmma.py: same arguments, one CTA per (KV split, request), 64-token tiles inside one page, bf16
-output + natural-log LSE, or fp32 split partials + LSE for `CombineKernel`); bf16 cache only.
+output + natural-log LSE, or fp32 split partials + LSE for `CombineKernel`); bf16 or fp8 e4m3
+cache (the fp8 path is described after the bf16 one).
 Selected with `core="swapab"` (compile_main / mla_decode_cutedsl) or PDSERVE_MLA_CORE=swapab;
 never picked by `choose_core`.
 
@@ -48,8 +49,47 @@ third stage does not fit next to Q.
 MMA work per tile: 64 x N x 576 + 512 x N x 64 MACs (4.5 MFLOP at N = 32, none of it redundant)
 instead of the wgmma core's 13.6.
 
+fp8 e4m3 cache (kv_fp8=True; the same kernel, branches on kv_fp8 at trace time; the bf16 PTX is
+unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale by the host.
+  * producer unchanged: one TMA of the raw [64, 576] fp8 tile (36,864 B) per stage, smem layout
+    `raw_layout` = 9 column blocks of [64 tokens, 64 bytes], 64-byte swizzle (the 16-byte unit
+    (d % 64) // 16 XOR (t // 2) % 4); 5 stages (half-size stages).
+  * Q rounded to fp16 once into smem (K-major, 128-byte swizzle), its dims permuted inside every
+    64-dim chunk as in the mma core's fp8 path (Q_PERM), so that the 4 bytes of a thread's
+    K A-fragment of one k-step are contiguous: one 16-byte ld.shared per row and 64-dim chunk
+    gives the A values of 4 k-steps.
+  * S^T = K Q^T: fp16 wgmma m64nNk16 with A from registers (OperandSource.RMEM): per chunk two
+    16-byte loads, 16 cvt.rn.f16x2.e4m3x2 (exact), 4 wgmmas in one commit group. Thread 4 g + tig
+    of warp w holds S^T rows m = 16 w + g (+ 8) (the wgmma A / m16n8k16 layout, read from the
+    library's tv_layout_A); row m is token row_token(m) (bits 0-1 of m permuted) so that both
+    fragment loads are bank-conflict free (S^T rows, the mask, P^T and PV all use that order;
+    the softmax is order-free).
+  * P^T fp16 in smem, as the bf16 path (row m of S^T -> k position m).
+  * O^T += V^T P^T: fp16 wgmma, A = V^T from registers. O^T row m = 64 mb + 16 w + 8 r8 + g holds
+    latent dim 128 w + 16 g + 2 mb + r8 (DIM_PERM; the epilogue writes through that layout), so
+    a thread's 16 rows are 16 consecutive bytes of one token: per 16-token k-step four 16-byte
+    loads (tokens row_token(2 tig + jp + 8 jh)), prmt 0x5140 / 0x7362 pairs the bytes of the two
+    tokens of a k pair, one cvt per pair (as the mma core's fp8 PV gather); groups of
+    `pv_group` M blocks per commit. Tokens past the end are zeroed in registers (select on the
+    loaded words: the cache bytes there may be NaN encodings, and p = 0 * NaN would be NaN);
+    their scores are masked to -inf as on the bf16 path. K rows past the end need no zeroing
+    (their S^T rows are overwritten by the mask).
+  * per tile and thread: 34 ld.shared.v4, 272 cvt, 64 prmt, 68 wgmma; the stage is released
+    (sync_warp + one arrive per warp) as soon as the last V words have been converted, before
+    the last PV wgmma group retires.
+  * overlap inside the tile: at h_pad 16 the next chunk's / group's A fragments are loaded and
+    converted while the previous wgmma group runs (2 groups in flight, wait_group 1); at h_pad 32
+    (O^T = 128 registers) S runs serially per chunk and PV keeps 2 groups of 2 blocks in flight:
+    the only setting found that compiles without a spill stack.
+  * registers (cubin, CPU build): 240 at launch, no spill stack, h_pad 16 and 32. smem
+    (kernel_config.smem_bytes, 4 KB slack): 230,912 B at h_pad 32, 209,664 B at h_pad 16
+    (5 x 36 KB ring + Q 36 / 18 KB + P^T 4 / 2 KB + stats).
+  * fragment addressing is checked on the CPU (tests/test_mla_decode_compile.py,
+    test_swapab_fp8_fragment_layouts) against the library's wgmma A layout and the TMA layout.
+  Status of the fp8 path: compiles on CPU; UNTESTED ON A GPU.
+
 Status: compiles to sm_90a on CPU (tests/test_mla_decode_compile.py: wgmma counts, registers and
-no spill stack read from the cubin); NOT yet run on a GPU. Next steps once it is correct: overlap
+no spill stack read from the cubin); NOT yet run on a GPU (bf16 or fp8). Next steps once it is correct: overlap
 S of tile t+1 with the softmax / PV of tile t (or two consumer warpgroups ping-ponging tiles), a
 smem-staged vectorized epilogue, stmatrix for P^T.
 """
@@ -85,8 +125,8 @@ Q_PERM_STRIDE = (1, 16, 32, 2, 4, 8, 64)
 
 
 class MlaDecodeSwapAbKernel:
-    """One compiled variant: padded head count (16 / 32 = the wgmma N) and page size (a multiple
-    of 64). bf16 cache only."""
+    """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32 = the wgmma
+    N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int):
         if h_pad not in (16, 32):
@@ -126,7 +166,7 @@ class MlaDecodeSwapAbKernel:
     def __call__(
         self,
         q_ptr: cute.Pointer,       # [B, H, 576] bf16
-        kv_ptr: cute.Pointer,      # [num_pages, page_tokens, 576] bf16
+        kv_ptr: cute.Pointer,      # [num_pages, page_tokens, 576] bf16 | fp8 e4m3
         bt_ptr: cute.Pointer,      # [B, max_pages] int32
         seq_ptr: cute.Pointer,     # [B] int32
         o_ptr: cute.Pointer,       # [B, H, 512] bf16 (final, used when num_splits == 1)
