@@ -12,8 +12,9 @@ The split count is fixed before capture (choose_num_splits from B, L, H).
 
 --core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell,
 recorded in each row); the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma",
-mla_decode_h200_wgmma.json for "wgmma", mla_decode_h200_swapab.json for "swapab" (bf16 cells
-only: that core refuses an fp8 cache) and mla_decode_h200_auto.json for "auto".
+mla_decode_h200_wgmma.json for "wgmma", mla_decode_h200_swapab.json for "swapab" (bf16 and fp8
+cells; its fp8 path feeds fp16 wgmmas from the raw fp8 tile) and mla_decode_h200_auto.json for
+"auto".
 """
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,
-                fp8_mma=None if not fp8 else ("f16" if (FP8_F16 if fp8_f16 is None else fp8_f16)
-                                              and core == "mma" else "bf16"))
+                fp8_mma=None if not fp8 else ("f16" if ((FP8_F16 if fp8_f16 is None else fp8_f16)
+                                               and core == "mma") or core == "swapab" else "bf16"))
 
 
 def main(argv=None):
@@ -119,8 +120,6 @@ def main(argv=None):
         Bs, Ls = (1, 64), (8192, 131072)
     rows = []
     for fp8 in (False, True):
-        if fp8 and core == "swapab":
-            continue                  # bf16 cache only
         for H in Hs:
             for B in Bs:
                 for L in Ls:

@@ -3,7 +3,7 @@
 `CUTE_DSL_ARCH=sm_90a` makes cute.compile target Hopper without a GPU. Each variant compiles
 once per session (the module caches compiled objects); the whole file takes ~25 s on 2 cores.
 All three attention cores are compiled: "mma" (mma.sync), "wgmma" (warpgroup MMA with a TMA
-producer warp) and "swapab" (warpgroup MMA with the heads as N, bf16 cache only); for the wgmma
+producer warp) and "swapab" (warpgroup MMA with the heads as N; its fp8 path builds the A operands in registers); for the wgmma
 cores the PTX and cubin are also checked (sm_90a instructions, wgmma shapes and counts, registers
 at launch that fit the block, no spill stack), and so is the mma core's fp8 path, whose MMA
 operands come straight from the raw fp8 tile (PTX instruction counts, no spill stack, registers
@@ -112,24 +112,135 @@ def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
         mc.compile_main(False, 48 - h_pad, page_tokens, core="swapab")
 
 
-def test_swapab_core_refuses_fp8():
-    with pytest.raises(ValueError, match="bf16 KV cache only"):
-        mc.kernel_config(True, 32, 64, core="swapab")
-    with pytest.raises(ValueError, match="bf16 KV cache only"):
-        mc.compile_main(True, 32, 64, core="swapab")
+def test_swapab_core_refuses_bad_h_pad():
     with pytest.raises(ValueError, match="h_pad"):
         mc.kernel_config(False, 64, 64, core="swapab")
+    with pytest.raises(ValueError, match="h_pad"):
+        mc.kernel_config(True, 64, 64, core="swapab")
     assert "swapab" in mc.CORES
 
 
-def test_swapab_launcher_refuses_fp8_cache():
-    torch = pytest.importorskip("torch")
-    q = torch.zeros(1, 12, 576, dtype=torch.bfloat16)
-    cache = torch.zeros(2, 64, 576, dtype=torch.float8_e4m3fn)
-    bt = torch.zeros(1, 1, dtype=torch.int32)
-    seq = torch.ones(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="'swapab' supports a bf16 KV cache only"):
-        mc.mla_decode_cutedsl(q, cache, bt, seq, 0.1, 1.0, core="swapab")
+# swapab fp8: (h_pad) -> (stages, smem bytes as kernel_config reports them)
+SWAPAB_FP8 = {16: (5, 209664), 32: (5, 230912)}
+
+
+@pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
+def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
+    """swapab with the fp8 cache: raw fp8 TMA tiles, both wgmma A operands (K for S^T, V^T for
+    O^T) widened in registers from the raw bytes (fp16 wgmma, A from registers), no spill."""
+    k = mc.kernel_config(True, h_pad, page_tokens, core="swapab")
+    assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
+    assert k.smem_bytes <= mc.SMEM_LIMIT and k.tma_bytes == 64 * 576
+    fn = mc.compile_main(True, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
+    ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
+    assert ".target sm_90a" in ptx
+    shape = f"m64n{h_pad}k16"
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.{shape}.f32.f16.f16") == 36 + 8 * 4
+    assert ptx.count("wgmma.mma_async.sync.aligned.") == 36 + 8 * 4
+    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    assert ptx.count("setmaxnreg") == 2
+    # per tile and thread: K 9 chunks x 2 rows, V 4 k-steps x 4 tokens (16-byte loads);
+    # 144 + 128 exact e4m3x2 -> f16x2 conversions, 64 prmt pairing two tokens' bytes
+    assert ptx.count("ld.shared.v4.b32") == 18 + 16
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 144 + 128
+    assert ptx.count("prmt.b32") == 64
+    for st in ("ld.local", "st.local"):
+        assert st not in ptx, st
+    res = cubin_resources(cubin)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] <= 65536 // 256, res
+    print(f"swapab fp8 h_pad={h_pad} page={page_tokens}: {res}, smem {k.smem_bytes} B, "
+          f"{k.stages} stages")
+    # fp8 and bf16 are distinct cached variants
+    assert mc.compile_main(True, h_pad, page_tokens, core="swapab") is not \
+        mc.compile_main(False, h_pad, page_tokens, core="swapab")
+
+
+def _swapab_fp8_fragment_check(out):
+    """Runs inside a cute.jit trace (static layouts evaluate to ints): every A-fragment value the
+    fp8 swapab kernel builds, followed from its shared address (the kernel's own address
+    functions) through prmt / cvt, is the raw-tile byte the wgmma A layout asks for."""
+    from cutlass import Float16, Float32
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+    from pdserve.kernels.mla_decode import swapab as sw
+    K = sw.MlaDecodeSwapAbKernel
+    cute = cutlass.cute
+    # 1. _raw_offset == the layout TMA writes (every byte of a stage)
+    raw = K.raw_layout(1)
+    for t in range(64):
+        for d in range(576):
+            assert cute.crd2idx((t, d, 0), raw) == K._raw_offset(t, d), (t, d)
+    # row_token: a bijection of each group of 4 (and + 8 / + 16 keep the swizzle XOR)
+    assert sorted(K.row_token(m) for m in range(64)) == list(range(64))
+    for t in range(48):
+        assert K._raw_offset(t + 8, 5) == K._raw_offset(t, 5) + 512
+        assert K._raw_offset(t + 16, 70) == K._raw_offset(t, 70) + 1024
+    q_perm = cute.make_layout(sw.Q_PERM, stride=sw.Q_PERM_STRIDE)
+    d_perm = cute.make_layout(sw.DIM_PERM, stride=sw.DIM_PERM_STRIDE)
+    km = cute.nvgpu.OperandMajorMode.K
+    mma = sm90_utils.make_trivial_tiled_mma(Float16, Float16, km, km, Float32, (1, 1, 1), (64, 32),
+                                            warpgroup.OperandSource.RMEM)
+    tv = mma.tv_layout_A                      # (thread, value) -> m + 64 k of a 64 x 16 block
+    # the block tiling of partition_A: k-steps along K (16), M blocks along M (64)
+    thr = mma.get_slice(37)
+    cK = thr.partition_A(cute.make_identity_tensor((64, 576)))
+    cV = thr.partition_A(cute.make_identity_tensor((512, 64)))
+    for v in range(8):
+        i = cute.crd2idx((37, v), tv)
+        assert cK[v + 8 * 5] == (i % 64, i // 64 + 16 * 5)
+        assert cV[v + 8 * 3 + 8 * 8 * 2] == (i % 64 + 64 * 3, i // 64 + 16 * 2)
+    n_k = n_v = 0
+    for tid in range(128):
+        lane, w = tid % 32, tid // 32
+        k_off = K._fp8_k_addresses(lane, w)
+        v_tok, v_off = K._fp8_v_addresses(lane, w)
+        for v in range(8):
+            i = cute.crd2idx((tid, v), tv)
+            m, kk = i % 64, i // 64
+            word, half = v // 2, v % 2
+            # S^T: k-step s of chunk c, word r + 2 hi = cvt(hi) of word s of row r's 16-byte load
+            r, hi = word % 2, word // 2
+            for c in range(9):
+                for s in range(4):
+                    got = k_off + 64 * 64 * c + 512 * r + 4 * s + 2 * hi + half
+                    want = K._raw_offset(K.row_token(m), cute.crd2idx(64 * c + 16 * s + kk, q_perm))
+                    assert got == want, (tid, v, c, s)
+                    n_k += 1
+            # O^T: M block mb, k-step ks, word r8 + 2 jh = cvt(r8) of prmt(token jp = 0, jp = 1)
+            # bytes 2 mb, 2 mb + 1 (word mb // 2 of the 16-byte loads); value half = jp
+            r8, jh = word % 2, word // 2
+            jp = half
+            for mb in range(8):
+                for ks in range(4):
+                    tok = v_tok[jp] + 8 * jh + 16 * ks
+                    got = v_off[jp] + 512 * jh + 1024 * ks + 4 * (mb // 2) + 2 * (mb % 2) + r8
+                    assert tok == K.row_token(16 * ks + kk)
+                    want = K._raw_offset(K.row_token(16 * ks + kk), cute.crd2idx(m + 64 * mb, d_perm))
+                    assert got == want, (tid, v, mb, ks)
+                    n_v += 1
+    # bank conflicts: each quarter warp's 16-byte loads hit 8 distinct 16-byte bank groups
+    for w in range(4):
+        for qw in range(4):
+            lanes = range(8 * qw, 8 * qw + 8)
+            assert len({(K._fp8_k_addresses(l, w) % 128) // 16 for l in lanes}) == 8
+            for jp in range(2):
+                assert len({(K._fp8_v_addresses(l, w)[1][jp] % 128) // 16 for l in lanes}) == 8
+    out["checked"] = (n_k, n_v)
+
+
+def test_swapab_fp8_fragment_layouts():
+    """The fp8 swapab A fragments, from the kernel's address functions and the wgmma A layout of
+    the library (not a hand-written table): K for S^T (with Q's dim permutation) and V^T for O^T
+    (with the token / latent-dim permutations the kernel applies to S^T rows and O^T rows)."""
+    out = {}
+
+    @cutlass.cute.jit
+    def run():
+        _swapab_fp8_fragment_check(out)
+
+    run()
+    assert out["checked"] == (128 * 8 * 36, 128 * 8 * 32)
 
 
 def test_combine_kernel_compiles():
@@ -168,7 +279,8 @@ def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():
 
 
 @pytest.mark.parametrize("core,kv_fp8", [("mma", False), ("mma", True), ("wgmma", False),
-                                         ("wgmma", True), ("swapab", False)])
+                                         ("wgmma", True), ("swapab", False),
+                                         ("swapab", True)])
 def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, core, kv_fp8):
     # default: one griddepcontrol.wait at the kernel's entry, ahead of every global access;
     # early_kv: none at entry, one in the empty-split branch and one after the KV loads are

@@ -55,9 +55,9 @@ tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside mla_decode_h200
                 B=64 L=8K 182.0 (196.8), B=64 L=32K 640.0 (711.4); L=1K 13.6-41.6 (10.4-41.1)
     bf16 H=12:  mma faster in every cell (e.g. B=64 L=32K 603.6 vs 613.7, B=1 L=1K 9.1 vs 11.9)
     fp8  H=32:  wgmma faster from L=8K on (B=64 L=32K 818.8 vs 941.9); fp8 H=12: mma faster.
-A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab", bf16 cache only), swaps A and B
+A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab"; bf16 and fp8), swaps A and B
 so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
-padding to 64 rows; `choose_core` picks it for every bf16 call without early_kv.
+padding to 64 rows; `choose_core` picks it for every bf16 call.
 """
 from __future__ import annotations
 
@@ -969,7 +969,7 @@ FP8_F16 = False
 
 
 # attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or
-# "swapab" (swapab.MlaDecodeSwapAbKernel: heads as the wgmma N, bf16 cache only); "auto" lets
+# "swapab" (swapab.MlaDecodeSwapAbKernel: heads as the wgmma N); "auto" lets
 # choose_core pick per call
 CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
@@ -1006,7 +1006,7 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | No
                   core: str | None = None, early_kv: bool = False):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad and fp8_f16; the swapab core uses h_pad (16 /
-    32, its wgmma N), ignores fp8_f16 and refuses an fp8 cache (ValueError)."""
+    32, its wgmma N) and ignores fp8_f16."""
     core = _core(core)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
@@ -1109,7 +1109,7 @@ def mla_decode_cutedsl(
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
     lse [B, H] fp32). For CUDA-graph capture pass num_splits (or max_seq_len): otherwise the
     split count is derived from seq_lens.max(), a host sync. `core` picks the attention core
-    ("mma" / "wgmma" / "swapab" (bf16 cache only); default CORE, from PDSERVE_MLA_CORE, whose
+    ("mma" / "wgmma" / "swapab"); default CORE, from PDSERVE_MLA_CORE, whose
     default "auto" asks choose_core with max_seq_len or, when num_splits is not given either,
     seq_lens.max()). `early_kv` lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when

@@ -4,7 +4,8 @@ Fresh random inputs each run; outputs and LSE are NaN-poisoned before the kernel
 padding page and every cache row past a request's end are NaN too, so unwritten outputs or
 reads past the end show up as NaN. The attention cores run every case: "mma" (mma.sync, the
 default), "wgmma" (warpgroup MMA + TMA producer; heads padded to 64) and "swapab" (warpgroup MMA
-with the heads as the MMA's N; bf16 cache only, its fp8 cases are skipped).
+with the heads as the MMA's N; bf16, and fp8 with register A operands widened from the raw fp8
+tile -- its fp8 cases had not run on a GPU when they were added).
 """
 import pytest
 import torch
@@ -17,7 +18,6 @@ pytestmark = [
 SCALE = 192 ** -0.5
 PAGE = 64
 CORES = ["mma", "wgmma", "swapab"]
-BF16_ONLY_CORES = ("swapab",)
 
 
 def _sm90():
@@ -97,8 +97,6 @@ def _b64_lens():
 @pytest.mark.parametrize("case", list(LENS))
 @pytest.mark.parametrize("core", CORES)
 def test_matches_reference(core, case, H, fp8):
-    if fp8 and core in BF16_ONLY_CORES:
-        pytest.skip(f"core {core!r} supports a bf16 cache only (refuses fp8 with ValueError)")
     lens = LENS[case] or _b64_lens()
     check(lens, H, fp8, core=core)
 
@@ -112,24 +110,17 @@ def test_wgmma_larger_pages(page_tokens, fp8):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("page_tokens", [128, 256])
-def test_swapab_larger_pages(page_tokens, H):
-    """swapab core (bf16 only), several tiles per page, both head paddings (N = 16 / 32)."""
-    check([1, 127, 129, 3000, 20000 + 33], H, False, page_tokens=page_tokens, core="swapab")
-
-
-@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-def test_swapab_refuses_fp8_cache():
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
-    q, cache, bt, seq, kv_scale = make_case([100], 32, True)
-    with pytest.raises(ValueError, match="bf16 KV cache only"):
-        mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, core="swapab")
+def test_swapab_larger_pages(page_tokens, H, fp8):
+    """swapab core, several tiles per page, both head paddings (N = 16 / 32), both caches."""
+    check([1, 127, 129, 3000, 20000 + 33], H, fp8, page_tokens=page_tokens, core="swapab")
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_f16mma", "wgmma_bf16", "wgmma_fp8",
-                                     "swapab_bf16"])
+                                     "swapab_bf16", "swapab_fp8"])
 @pytest.mark.parametrize("num_splits", [1, 3, 64, 300])
 def test_forced_splits(num_splits, variant):
     """Both epilogues (direct and partial + combine), many empty splits; the fp8 cache also
