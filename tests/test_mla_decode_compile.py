@@ -263,11 +263,11 @@ def test_choose_core_follows_the_h200_measurements():
     assert mc.choose_core(32, 8192) == "swapab"
     assert mc.choose_core(12, 1024, batch=64) == "swapab"
     assert mc.choose_core(12, None) == "swapab"        # unknown length (captured, num_splits only)
-    # fp8: mma (2 CTAs/SM at H <= 16) for large B x L, wgmma for small
+    # fp8: mma (2 CTAs/SM) at H <= 16 and swapab at H > 16 for large B x L, wgmma for small
     assert mc.choose_core(12, 32768, batch=64, kv_fp8=True) == "mma"
     assert mc.choose_core(12, 8192, kv_fp8=True) == "wgmma"
-    assert mc.choose_core(32, 32768, batch=8, kv_fp8=True) == "wgmma"
-    assert mc.choose_core(32, 32768, batch=64, kv_fp8=True) == "mma"
+    assert mc.choose_core(32, 8192, batch=8, kv_fp8=True) == "wgmma"
+    assert mc.choose_core(32, 32768, batch=8, kv_fp8=True) == "swapab"
     assert mc.choose_core(32, None, kv_fp8=True) == "wgmma"
 
 

@@ -973,7 +973,8 @@ FP8_F16 = False
 # choose_core pick per call
 CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
-FP8_MMA_MIN_TOKENS = {16: 128 * 1024, 32: 1024 * 1024}   # fp8: mma.sync from this B x L on
+# fp8: (core, from this B x L on) per padded head count; wgmma below
+FP8_LARGE = {16: ("mma", 128 * 1024), 32: ("swapab", 256 * 1024)}
 
 
 def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
@@ -983,15 +984,17 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
         with and without early_kv (e.g. H=32 B=64 L=32K 566.7 vs wgmma 748.6; H=12 B=1 L=8K
         10.5 vs mma 11.2, with early_kv 8.8 vs 9.8; mla_decode_h200_swapab*.json against
         mla_decode_h200_auto_early_kv.json and the session-5 auto run).
-      * fp8: the mma core's 2-CTA/SM variant (H <= 16) from B x L >= 128K (B=64 L=32K 340.0 us
-        with 4 splits vs wgmma 791.8), wgmma below (B=1 L=8K 13.4 vs 20.1); H > 16: mma from
-        B x L >= 1M (B=64 L=32K 656.3 vs 800.5), wgmma below (B=1 L=8K 14.6 vs 29.3)
-        (mla_decode_h200_cores.json).
+      * fp8, H <= 16: the mma core's 2-CTA/SM variant from B x L >= 128K (B=64 L=32K 340.0 us
+        with 4 splits vs wgmma 791.8, swapab 441.5), wgmma below (B=1 L=8K 13.4 vs mma 20.1,
+        swapab 15.9) (mla_decode_h200_cores.json, mla_decode_h200_swapab_early_kv.json).
+      * fp8, H > 16: swapab from B x L >= 256K (B=64 L=32K 582.1 vs mma 656.3, wgmma 800.5; B=8
+        L=32K 103.0 vs wgmma 110.2), wgmma below (B=1 L=8K 15.0 vs swapab 30.4).
     An unknown length (a captured call that passed num_splits only) counts as short."""
     if not kv_fp8:
         return "swapab"
     tokens = 0 if max_seq_len is None else batch * int(max_seq_len)
-    return "mma" if tokens >= FP8_MMA_MIN_TOKENS[h_pad_for(heads)] else "wgmma"
+    core, min_tokens = FP8_LARGE[h_pad_for(heads)]
+    return core if tokens >= min_tokens else "wgmma"
 
 
 def _core(core: str | None) -> str:
