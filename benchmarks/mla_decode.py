@@ -35,10 +35,9 @@ ROTATE_BYTES = 256 << 20  # graph working set at least this large (L2 is 60 MB)
 # the first kernel) is not charged to one call; calls past the disjoint sets reuse them, each
 # call's pages being larger than L2 then
 MIN_CALLS = 16
-FP8_F16 = False
 
 
-def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early_kv=False):
+def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False):
     from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call
     core, splits = plan_call(B, H, L, fp8, core, early_kv, splits)
     esize = 1 if fp8 else 2
@@ -63,7 +62,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early
     def run_all():
         for k in range(K):
             mla_decode_cutedsl(qs[k], cache, bts[k % n_sets], seq, SCALE, kv_scale, num_splits=splits,
-                               out=outs[k], lse=lses[k], fp8_f16=fp8_f16, core=core,
+                               out=outs[k], lse=lses[k], core=core,
                                early_kv=early_kv)
 
     s = torch.cuda.Stream()
@@ -95,8 +94,8 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, fp8_f16=None, core=None, early
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,
-                fp8_mma=None if not fp8 else ("f16" if ((FP8_F16 if fp8_f16 is None else fp8_f16)
-                                               and core == "mma") or core == "swapab" else "bf16"))
+                # MMA operand type of the fp8 cache: wgmma widens tiles to bf16, the others fp16
+                fp8_mma=None if not fp8 else ("bf16" if core == "wgmma" else "f16"))
 
 
 def main(argv=None):
@@ -109,8 +108,7 @@ def main(argv=None):
                     help="read the cache before the PDL wait (the previous kernel writes none of it)")
     args = ap.parse_args(argv)
     import cutlass
-    global FP8_F16
-    from pdserve.kernels.mla_decode.cutedsl import CORE, FP8_F16
+    from pdserve.kernels.mla_decode.cutedsl import CORE
     core = args.core or CORE
     if args.json is None:
         args.json = ("benchmarks/results/mla_decode_h200" + ("" if core == "mma" else f"_{core}")

@@ -20,16 +20,15 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (test extra)
 from pdserve.kernels.kda_decode.cutedsl import cubin_resources  # noqa: E402
 from pdserve.kernels.mla_decode import cutedsl as mc  # noqa: E402
 
-VARIANTS = [(False, 16, 64, None), (False, 32, 64, None), (True, 16, 64, None),
-            (True, 32, 64, None), (False, 32, 128, None), (True, 32, 64, True)]
+VARIANTS = [(False, 16, 64), (False, 32, 64), (True, 16, 64), (True, 32, 64), (False, 32, 128)]
 
 
-@pytest.mark.parametrize("kv_fp8,h_pad,page_tokens,fp8_f16", VARIANTS)
-def test_main_kernel_compiles(kv_fp8, h_pad, page_tokens, fp8_f16):
-    fn = mc.compile_main(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma")
+@pytest.mark.parametrize("kv_fp8,h_pad,page_tokens", VARIANTS)
+def test_main_kernel_compiles(kv_fp8, h_pad, page_tokens):
+    fn = mc.compile_main(kv_fp8, h_pad, page_tokens, core="mma")
     assert fn is not None
-    assert mc.compile_main(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma") is fn   # cached
-    k = mc.kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core="mma")
+    assert mc.compile_main(kv_fp8, h_pad, page_tokens, core="mma") is fn   # cached
+    k = mc.kernel_config(kv_fp8, h_pad, page_tokens, core="mma")
     assert k.stages >= 2 and k.num_threads == 32 * 4 * (h_pad // 16)
     smem = k.h_pad * 576 * 2 + k.stages * 64 * (576 if kv_fp8 else 576 * 2)
     assert smem <= k.smem_bytes <= mc.SMEM_LIMIT

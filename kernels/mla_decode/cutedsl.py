@@ -171,8 +171,7 @@ class MlaDecodeKernel:
     Registers (cubin, CPU compile): 178 (h_pad 16), 170 (h_pad 32); no spill stack.
     """
 
-    def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool = False,
-                 early_kv: bool = False):
+    def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, early_kv: bool = False):
         assert h_pad in (16, 32), h_pad
         assert page_tokens % TILE_N == 0, page_tokens
         self.kv_fp8 = kv_fp8
@@ -187,7 +186,6 @@ class MlaDecodeKernel:
         self.page_tokens = page_tokens
         self.tiles_per_page = page_tokens // TILE_N
         self.kv_dtype = cutlass.Float8E4M3FN if kv_fp8 else BFloat16
-        self.fp8_f16 = fp8_f16                # kept for the call signature; see FP8_F16
         # MMA operand type. The fp8 cache goes straight from its raw tile into fp16 MMA operands
         # (one cvt.rn.f16x2.e4m3x2 per pair, exact; a bf16 operand would cost 3 more conversions
         # per pair): Q is then rounded to fp16, which needs |q| < 65504 (absorbed queries are
@@ -961,11 +959,6 @@ def _fake_args_main(k: MlaDecodeKernel):
             Float32(1.0), make_fake_stream())
 
 
-# fp8 cache, widened-tile path (before branch mla-fp8-direct): bf16 MMA operands (default) or,
-# with True, fp16 (measured on the H200: same time at H=32, fp16 ~9% faster at H=12, B=64). The
-# direct fp8 path of the mma core always uses fp16 operands (Q rounded to fp16, needs
-# |q| < 65504) and ignores this flag; it stays in the signatures and the compile-cache key.
-FP8_F16 = False
 
 
 # attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or
@@ -1005,11 +998,11 @@ def _core(core: str | None) -> str:
     return core
 
 
-def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
-                  core: str | None = None, early_kv: bool = False):
+def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
+                  early_kv: bool = False):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
-    always pads the heads to 64 and ignores h_pad and fp8_f16; the swapab core uses h_pad (16 /
-    32, its wgmma N) and ignores fp8_f16."""
+    always pads the heads to 64 and ignores h_pad; the swapab core uses h_pad (16 / 32, its
+    wgmma N)."""
     core = _core(core)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
@@ -1017,17 +1010,16 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | No
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
-    fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
-    return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), fp8_f16, bool(early_kv))
+    return MlaDecodeKernel(bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
 
 
-def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | None = None,
-                 core: str | None = None, dump_dir: str | None = None, early_kv: bool = False):
+def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
+                 dump_dir: str | None = None, early_kv: bool = False):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, fp8_f16, core, early_kv)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv)
     if dump_dir is not None:
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
@@ -1036,9 +1028,7 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, fp8_f16: bool | Non
     elif core == "swapab":
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     else:
-        fp8_f16 = FP8_F16 if fp8_f16 is None else bool(fp8_f16)
-        key = (("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
-               + ((fp8_f16,) if kv_fp8 else ()))
+        key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
         _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
     return _COMPILED[key][1]
@@ -1098,7 +1088,7 @@ def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, cor
         core = choose_core(heads, max_seq_len, batch, kv_fp8)
     core = _core(core)
     if num_splits is None:
-        per_sm = kernel_config(kv_fp8, h_pad_for(heads), TILE_N, None, core, early_kv).ctas_per_sm
+        per_sm = kernel_config(kv_fp8, h_pad_for(heads), TILE_N, core, early_kv).ctas_per_sm
         num_splits = choose_num_splits(batch, max_seq_len, heads, per_sm)
     return core, num_splits
 
@@ -1106,7 +1096,7 @@ def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, cor
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-    fp8_f16: bool | None = None, core: str | None = None, early_kv: bool = False, **_ignored,
+    core: str | None = None, early_kv: bool = False, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
@@ -1149,7 +1139,7 @@ def mla_decode_cutedsl(
     for t in (q, kv_cache, out, o_part):
         assert t.data_ptr() % 16 == 0, "16-byte aligned tensors required"
 
-    main = compile_main(fp8, hp, page_tokens, fp8_f16, core, early_kv=early_kv)
+    main = compile_main(fp8, hp, page_tokens, core, early_kv=early_kv)
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)

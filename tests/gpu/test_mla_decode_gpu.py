@@ -119,16 +119,12 @@ def test_swapab_larger_pages(page_tokens, H, fp8):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_f16mma", "wgmma_bf16", "wgmma_fp8",
-                                     "swapab_bf16", "swapab_fp8"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("num_splits", [1, 3, 64, 300])
-def test_forced_splits(num_splits, variant):
-    """Both epilogues (direct and partial + combine), many empty splits; the fp8 cache also
-    through fp16 MMA operands (the alternative to the default bf16 widening, mma core only)."""
-    kw = {"fp8_f16": True} if variant == "fp8_f16mma" else {}
-    kw["core"] = variant.split("_")[0] if variant.startswith(("wgmma", "swapab")) else "mma"
-    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, not variant.endswith("bf16"),
-          num_splits=num_splits, **kw)
+def test_forced_splits(num_splits, core, fp8):
+    """Both epilogues (direct and partial + combine), many empty splits."""
+    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core=core)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
