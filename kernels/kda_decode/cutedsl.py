@@ -50,6 +50,14 @@ while it computes the current one (branch kda-persistent, not merged) was measur
 slower everywhere, so the wave bubbles are not what separates H = 12, B = 64 from the floor. Time
 fits ~4 us + floor / 0.93 across H and B (results/kda_decode_h200_min32calls.json, 32 calls per
 graph), and C = 1 already uses 128 registers per thread (the 2-CTA/SM limit).
+Session 6 (2026-11-29) tried two more, both not merged:
+  * the s2 variant (two 128-thread CTAs per (request, head) without a cluster, the RMSNorm
+    partials through global scratch + a last-CTA counter; branch kda-split2): correct on the
+    H200 (all its GPU tests pass) but slower, us plain / PDL (results/kda_decode_h200_s2.json):
+    H12 B64 32.6/31.1 vs c1 30.6/29.6, H96 B64 221.1/219.8 vs 210.9/209.1;
+  * L1 hints on the state stream (ld.global.L1::no_allocate, st.global.L1::evict_first; branch
+    kda-hints): PDL H12 B64 29.1-29.8 us against 29.7 without, H96 B64 211.3-219.7 against
+    210.0 (results/kda_decode_h200_cache_hints.json): within noise at H = 12, worse at H = 96.
 """
 from __future__ import annotations
 
