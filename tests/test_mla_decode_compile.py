@@ -3,7 +3,8 @@
 `CUTE_DSL_ARCH=sm_90a` makes cute.compile target Hopper without a GPU. Each variant compiles
 once per session (the module caches compiled objects); the whole file takes ~25 s on 2 cores.
 All three attention cores are compiled: "mma" (mma.sync), "wgmma" (warpgroup MMA with a TMA
-producer warp) and "swapab" (warpgroup MMA with the heads as N; its fp8 path builds the A operands in registers); for the wgmma
+producer warp) and "swapab" (warpgroup MMA with the heads as N; its fp8 path runs S^T as native
+e4m3 wgmmas with Q split into two e4m3 terms and builds V^T in registers); for the wgmma
 cores the PTX and cubin are also checked (sm_90a instructions, wgmma shapes and counts, registers
 at launch that fit the block, no spill stack), and so is the mma core's fp8 path, whose MMA
 operands come straight from the raw fp8 tile (PTX instruction counts, no spill stack, registers
@@ -121,28 +122,75 @@ def test_swapab_core_refuses_bad_h_pad():
 
 # swapab fp8: (h_pad) -> (stages, smem bytes as kernel_config reports them)
 SWAPAB_FP8 = {16: (5, 209664), 32: (5, 230912)}
+# the wgmma shared-memory descriptor bits (above the start address) of every fp8 S^T operand, as
+# the library encodes them for raw_layout / q8_layout: 64-byte swizzle (bits 62-63 = 2), stride
+# byte offset 512 (bits 32-45, 16-byte units: 8 rows x 64 bytes), leading byte offset 16 (unused
+# by swizzled K-major layouts), base offset 0 -- the parameters _wgmma_sw64_kmajor models
+SW64_DESC = 0x8000002000010000
+
+
+def _signed64(v):
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _wgmma_sw64_kmajor(start, r, kk):
+    """Byte address the wgmma reads for row r (M or N), K byte kk (< 32) of an 8-bit K-major
+    operand whose descriptor has start address `start` (bytes, relative to a 1024-byte aligned
+    base) and SW64_DESC's fields (PTX ISA, matrix descriptor: 8-row core matrices, SBO = 512 bytes
+    between them, rows 64 bytes apart; 64-byte swizzle = address bits 4-5 XOR bits 7-8)."""
+    a = start + (r // 8) * 512 + (r % 8) * 64 + kk
+    return a ^ (((a >> 7) & 3) << 4)
+
+
+def _fp8_s_operand_starts(hp):
+    """Start byte offsets of the S^T wgmma operands per k-step k (0..17), as the kernel's PTX has
+    them (checked in test_swapab_fp8_core_compiles): A (the stage's K tile) (k // 2) * 4096 +
+    (k % 2) * 32; B term t (Q_hi 0, Q_lo 1) t * hp * 576 + (k // 2) * hp * 64 + (k % 2) * 32."""
+    a = [(k // 2) * 4096 + (k % 2) * 32 for k in range(18)]
+    b = [[t * hp * 576 + (k // 2) * hp * 64 + (k % 2) * 32 for k in range(18)] for t in range(2)]
+    return a, b
 
 
 @pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
 def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
-    """swapab with the fp8 cache: raw fp8 TMA tiles, both wgmma A operands (K for S^T, V^T for
-    O^T) widened in registers from the raw bytes (fp16 wgmma, A from registers), no spill."""
+    """swapab with the fp8 cache: S^T = K (Q_hi + Q_lo)^T with the native e4m3 wgmma m64nNk32
+    (A = the raw fp8 stage in smem, B = Q_hi / Q_lo in smem, no K conversion); O^T with the fp16
+    wgmma, A = V^T widened in registers from the raw bytes; no spill."""
     k = mc.kernel_config(True, h_pad, page_tokens, core="swapab")
     assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
     assert k.smem_bytes <= mc.SMEM_LIMIT and k.tma_bytes == 64 * 576
     fn = mc.compile_main(True, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
     ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert ".target sm_90a" in ptx
-    shape = f"m64n{h_pad}k16"
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.{shape}.f32.f16.f16") == 36 + 8 * 4
+    # per tile: S^T 18 k-steps x (Q_hi, Q_lo) e4m3 wgmma k32; O^T 8 M blocks x 4 k-steps fp16
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k16.f32.f16.f16") == 8 * 4
     assert ptx.count("wgmma.mma_async.sync.aligned.") == 36 + 8 * 4
+    # S^T in 9 chunks of 4 (qk_promote), O^T in groups of pv_group blocks: one fence / commit each
+    assert ptx.count("wgmma.fence.sync.aligned") == 9 + 4 * (8 // k.pv_group)
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 4 * (8 // k.pv_group)
     assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
     assert ptx.count("setmaxnreg") == 2
-    # per tile and thread: K 9 chunks x 2 rows, V 4 k-steps x 4 tokens (16-byte loads);
-    # 144 + 128 exact e4m3x2 -> f16x2 conversions, 64 prmt pairing two tokens' bytes
-    assert ptx.count("ld.shared.v4.b32") == 18 + 16
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 144 + 128
-    assert ptx.count("prmt.b32") == 64
+    # the S^T operand descriptors: SW64_DESC's fields; B starts (_fp8_s_operand_starts) as
+    # 64-bit constants DESC + start / 16; A starts as 32-bit adds to the stage's start field
+    assert str(_signed64(SW64_DESC)) in ptx
+    a_st, b_st = _fp8_s_operand_starts(h_pad)
+    for t in range(2):
+        for kk in range(18):
+            if (t, kk) != (0, 0):
+                assert str(_signed64(SW64_DESC + b_st[t][kk] // 16)) in ptx, (t, kk)
+    for kk in range(1, 18):
+        assert (f", {a_st[kk] // 16};" in ptx) or (f"or.b32 \t" in ptx and a_st[kk] == 32), kk
+    assert "mad.lo.s32" in ptx and f", {64 * 576 // 16}, " in ptx    # stage stride 36,864 B
+    # per tile and thread: V 4 k-steps x 4 tokens 16-byte loads, 128 exact e4m3x2 -> f16x2, 64
+    # prmt; once per CTA: Q split, 9 h_pad / 4 pairs (each one asm: 2 cvt.rn.satfinite.e4m3x2.f32
+    # + 1 cvt.rn.f16x2.e4m3x2), 2 prmt per 2 pairs, two 8-byte st.shared per 8 dims
+    n_pairs = 9 * h_pad // 4
+    assert ptx.count("ld.shared.v4.b32") == 16
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 128 + n_pairs
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32 h,") == n_pairs
+    assert ptx.count("prmt.b32") == 64 + n_pairs
+    assert ptx.count("st.shared.v2.b32") == n_pairs // 2
     for st in ("ld.local", "st.local"):
         assert st not in ptx, st
     res = cubin_resources(cubin)
@@ -156,56 +204,102 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
 
 
 def _swapab_fp8_fragment_check(out):
-    """Runs inside a cute.jit trace (static layouts evaluate to ints): every A-fragment value the
-    fp8 swapab kernel builds, followed from its shared address (the kernel's own address
-    functions) through prmt / cvt, is the raw-tile byte the wgmma A layout asks for."""
-    from cutlass import Float16, Float32
+    """Runs inside a cute.jit trace (static layouts evaluate to ints): the fp8 swapab operands.
+    S^T: the wgmma hardware addressing (_wgmma_sw64_kmajor, with the kernel's descriptor fields
+    and start offsets) reads K[token r][dim 32 k + kk] from the raw TMA layout and Q[head n][dim]
+    from the kernel's Q layout, which the Q stores (_q8_offset, copy_q vectors) fill; P^T goes
+    where PV expects it (row_token_inv); V^T A fragments as before (addresses -> prmt / cvt ->
+    the library's wgmma A layout)."""
+    from cutlass import BFloat16, Float16, Float32
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.nvgpu import cpasync, warpgroup
     from pdserve.kernels.mla_decode import swapab as sw
     K = sw.MlaDecodeSwapAbKernel
     cute = cutlass.cute
-    # 1. _raw_offset == the layout TMA writes (every byte of a stage)
+    # 1. _raw_offset == the layout TMA writes (every byte of a stage); _q8_offset == q8_layout
     raw = K.raw_layout(1)
     for t in range(64):
         for d in range(576):
             assert cute.crd2idx((t, d, 0), raw) == K._raw_offset(t, d), (t, d)
-    # row_token: a bijection of each group of 4 (and + 8 / + 16 keep the swizzle XOR)
+    for hp in (16, 32):
+        ql = K.q8_layout(hp)
+        assert cute.cosize(ql) == 2 * hp * 576
+        for h in range(hp):
+            for d in range(576):
+                for t in range(2):
+                    assert cute.crd2idx((h, d, t), ql) == t * hp * 576 + K._q8_offset(hp, h, d)
+    # 2. S^T operands as the wgmma reads them: A (the K tile), B (Q_hi, Q_lo)
+    n_s = 0
+    for hp in (16, 32):
+        a_st, b_st = _fp8_s_operand_starts(hp)
+        for k in range(18):
+            for kk in range(32):
+                if hp == 16:
+                    for r in range(64):
+                        assert _wgmma_sw64_kmajor(a_st[k], r, kk) == \
+                            K._raw_offset(r, 32 * k + kk), (r, k, kk)
+                        n_s += 1
+                for t in range(2):
+                    for n in range(hp):
+                        assert _wgmma_sw64_kmajor(b_st[t][k], n, kk) == \
+                            t * hp * 576 + K._q8_offset(hp, n, 32 * k + kk), (hp, t, n, k, kk)
+                        n_s += 1
+        # the Q stores: copy_q's 8-dim vectors (value v = dim + v) cover [hp, 576] once, and
+        # _q8_offset keeps each vector's 8 bytes contiguous (one 8-byte st.shared)
+        copy_q = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                BFloat16, num_bits_per_copy=128),
+            cute.make_layout((128 // 8, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+        seen = set()
+        for tid in range(128):
+            tQc = copy_q.get_slice(tid).partition_S(cute.make_identity_tensor((hp, 576)))
+            for m in range(cute.size(tQc.shape[1])):
+                for c in range(cute.size(tQc.shape[2])):
+                    h, d0 = tQc[0, m, c]
+                    assert d0 % 8 == 0
+                    for v in range(8):
+                        assert tuple(tQc[v, m, c]) == (h, d0 + v)
+                        assert K._q8_offset(hp, h, d0 + v) == K._q8_offset(hp, h, d0) + v
+                        seen.add((h, d0 + v))
+        assert len(seen) == hp * 576
+    # 3. row_token is a bijection of each group of 4, row_token_inv its inverse; P^T: the thread
+    # whose rows are row_token_inv of ours holds, at element i, (row_token_inv(m), n) for our
+    # element i = (m, n)
     assert sorted(K.row_token(m) for m in range(64)) == list(range(64))
+    for m in range(64):
+        assert K.row_token_inv(K.row_token(m)) == m and K.row_token(K.row_token_inv(m)) == m
+    e4m3 = cutlass.Float8E4M3FN
+    km = cute.nvgpu.OperandMajorMode.K
+    qk = sm90_utils.make_trivial_tiled_mma(e4m3, e4m3, km, km, Float32, (1, 1, 1), (64, 32))
+    cS = cute.make_identity_tensor((64, 32))
+    for tid in range(128):
+        lane, w = tid % 32, tid // 32
+        mine = qk.get_slice(tid).partition_C(cS)
+        perm = qk.get_slice(32 * w + 4 * K.row_token_inv(lane // 4) + lane % 4).partition_C(cS)
+        for i in range(cute.size(mine)):
+            m, n = mine[i]
+            assert tuple(perm[i]) == (K.row_token_inv(m), n), (tid, i)
     for t in range(48):
         assert K._raw_offset(t + 8, 5) == K._raw_offset(t, 5) + 512
         assert K._raw_offset(t + 16, 70) == K._raw_offset(t, 70) + 1024
-    q_perm = cute.make_layout(sw.Q_PERM, stride=sw.Q_PERM_STRIDE)
+    # 4. O^T's A = V^T from registers (unchanged)
     d_perm = cute.make_layout(sw.DIM_PERM, stride=sw.DIM_PERM_STRIDE)
-    km = cute.nvgpu.OperandMajorMode.K
     mma = sm90_utils.make_trivial_tiled_mma(Float16, Float16, km, km, Float32, (1, 1, 1), (64, 32),
                                             warpgroup.OperandSource.RMEM)
     tv = mma.tv_layout_A                      # (thread, value) -> m + 64 k of a 64 x 16 block
-    # the block tiling of partition_A: k-steps along K (16), M blocks along M (64)
     thr = mma.get_slice(37)
-    cK = thr.partition_A(cute.make_identity_tensor((64, 576)))
     cV = thr.partition_A(cute.make_identity_tensor((512, 64)))
     for v in range(8):
         i = cute.crd2idx((37, v), tv)
-        assert cK[v + 8 * 5] == (i % 64, i // 64 + 16 * 5)
         assert cV[v + 8 * 3 + 8 * 8 * 2] == (i % 64 + 64 * 3, i // 64 + 16 * 2)
-    n_k = n_v = 0
+    n_v = 0
     for tid in range(128):
         lane, w = tid % 32, tid // 32
-        k_off = K._fp8_k_addresses(lane, w)
         v_tok, v_off = K._fp8_v_addresses(lane, w)
         for v in range(8):
             i = cute.crd2idx((tid, v), tv)
             m, kk = i % 64, i // 64
             word, half = v // 2, v % 2
-            # S^T: k-step s of chunk c, word r + 2 hi = cvt(hi) of word s of row r's 16-byte load
-            r, hi = word % 2, word // 2
-            for c in range(9):
-                for s in range(4):
-                    got = k_off + 64 * 64 * c + 512 * r + 4 * s + 2 * hi + half
-                    want = K._raw_offset(K.row_token(m), cute.crd2idx(64 * c + 16 * s + kk, q_perm))
-                    assert got == want, (tid, v, c, s)
-                    n_k += 1
             # O^T: M block mb, k-step ks, word r8 + 2 jh = cvt(r8) of prmt(token jp = 0, jp = 1)
             # bytes 2 mb, 2 mb + 1 (word mb // 2 of the 16-byte loads); value half = jp
             r8, jh = word % 2, word // 2
@@ -218,20 +312,20 @@ def _swapab_fp8_fragment_check(out):
                     want = K._raw_offset(K.row_token(16 * ks + kk), cute.crd2idx(m + 64 * mb, d_perm))
                     assert got == want, (tid, v, mb, ks)
                     n_v += 1
-    # bank conflicts: each quarter warp's 16-byte loads hit 8 distinct 16-byte bank groups
+    # bank conflicts: each quarter warp's 16-byte V loads hit 8 distinct 16-byte bank groups
     for w in range(4):
         for qw in range(4):
             lanes = range(8 * qw, 8 * qw + 8)
-            assert len({(K._fp8_k_addresses(l, w) % 128) // 16 for l in lanes}) == 8
             for jp in range(2):
                 assert len({(K._fp8_v_addresses(l, w)[1][jp] % 128) // 16 for l in lanes}) == 8
-    out["checked"] = (n_k, n_v)
+    out["checked"] = (n_s, n_v)
 
 
 def test_swapab_fp8_fragment_layouts():
-    """The fp8 swapab A fragments, from the kernel's address functions and the wgmma A layout of
-    the library (not a hand-written table): K for S^T (with Q's dim permutation) and V^T for O^T
-    (with the token / latent-dim permutations the kernel applies to S^T rows and O^T rows)."""
+    """The fp8 swapab operands: S^T's smem operands (raw TMA tile, Q_hi / Q_lo) through a model
+    of the wgmma descriptor addressing with the descriptor fields and start offsets the compiled
+    PTX has (test_swapab_fp8_core_compiles), the Q stores, P^T's token order, and the V^T A
+    fragments against the library's wgmma A layout (not a hand-written table)."""
     out = {}
 
     @cutlass.cute.jit
@@ -239,7 +333,81 @@ def test_swapab_fp8_fragment_layouts():
         _swapab_fp8_fragment_check(out)
 
     run()
-    assert out["checked"] == (128 * 8 * 36, 128 * 8 * 32)
+    assert out["checked"] == (18 * 32 * (64 + 2 * 16 + 2 * 32), 128 * 8 * 32)
+
+
+def _s_error(K, q, S):
+    """|S - K q^T| relative to mean |K q^T| (float64 reference): (max, rms)."""
+    import torch
+    ref = K.double() @ q.double().T
+    e = (S - ref).abs() / ref.abs().mean()
+    return e.max().item(), e.pow(2).mean().sqrt().item()
+
+
+def _fp22_chain(K, Qt, groups, mbits=13):
+    """Model of the fp8 wgmma accumulator (reported to keep ~13 mantissa bits: per k32
+    instruction the accumulator and the 32 products are aligned to the largest exponent and
+    truncated to mbits below it): K [T, D] (fp32 values), Qt [D, N], `groups` = lists of k32
+    step indices accumulated into one zeroed accumulator each; the groups' sums added in fp32."""
+    import torch
+    tot = torch.zeros(K.shape[0], Qt.shape[1], dtype=torch.float32)
+    for g in groups:
+        acc = torch.zeros(K.shape[0], Qt.shape[1], dtype=torch.float64)
+        for k0 in g:
+            p = K[:, 32 * k0:32 * k0 + 32, None].double() * Qt[None, 32 * k0:32 * k0 + 32].double()
+            terms = torch.cat([acc[:, None], p], 1)
+            e = torch.floor(torch.log2(terms.abs().amax(1, keepdim=True).clamp_min(1e-300)))
+            ulp = torch.exp2(e - mbits)
+            acc = (torch.trunc(terms / ulp) * ulp).sum(1).float().double()
+        tot = tot + acc.float()
+    return tot.double()
+
+
+def test_swapab_fp8_q_split_numerics():
+    """S^T = K (Q_hi + Q_lo)^T / s (q_split_e4m3_reference, the kernel's split) against float64:
+    never worse than rounding an fp32 q to bf16 (what the other cores' bf16 Q amounts to), and
+    for the bf16 q the kernel actually reads, far below it. Also with a model of the fp8 wgmma's
+    reduced-precision accumulator (_fp22_chain): the kernel's 9 chunks (qk_promote) keep the
+    error at the split's level; one chain of 36 would not."""
+    torch = pytest.importorskip("torch")
+    from pdserve.kernels.mla_decode.swapab import q_split_e4m3_reference
+    g = torch.Generator().manual_seed(0)
+    Kc = (torch.randn(64, 576, generator=g) * 2).to(torch.float8_e4m3fn).float()
+    results = {}
+    for H in (12, 32):
+        for sig in (1.0, 30.0):
+            q = torch.randn(H, 576, generator=g) * sig
+            hi, lo, s = q_split_e4m3_reference(q)
+            assert float(s) == 2.0 ** round(float(torch.log2(s)))
+            assert (q.float() * s).abs().max() <= 448
+            S_split = Kc.double() @ (hi.double() + lo.double()).T / float(s)
+            S_bf16 = Kc.double() @ q.bfloat16().double().T
+            e_split, e_bf16 = _s_error(Kc, q, S_split), _s_error(Kc, q, S_bf16)
+            assert e_split[0] <= e_bf16[0] and e_split[1] <= e_bf16[1], (H, sig, e_split, e_bf16)
+            # the kernel's input is bf16: the split alone costs far less than that rounding did
+            qb = q.bfloat16().float()
+            hib, lob, sb = q_split_e4m3_reference(qb)
+            e_in = _s_error(Kc, qb, Kc.double() @ (hib.double() + lob.double()).T / float(sb))
+            assert e_in[0] <= e_bf16[0] / 100, (H, sig, e_in, e_bf16)
+            # fp8 accumulator model: the kernel's chunks (k-steps 2c, 2c+1 of Q_hi then Q_lo)
+            Kk = torch.cat([Kc, Kc], 1)
+            Qk = torch.cat([hi.float().T, lo.float().T], 0)      # k-step 18 t + k
+            chunks = [[2 * c, 2 * c + 1, 18 + 2 * c, 19 + 2 * c] for c in range(9)]
+            e_chunk = _s_error(Kc, q, _fp22_chain(Kk, Qk, chunks) / float(s))
+            e_chain = _s_error(Kc, q, _fp22_chain(Kk, Qk, [sum(chunks, [])]) / float(s))
+            assert e_chunk[0] <= e_bf16[0] and e_chunk[1] <= e_bf16[1], (H, sig, e_chunk, e_bf16)
+            # ... and against the exact bf16 q the other cores multiply with
+            Qkb = torch.cat([hib.float().T, lob.float().T], 0)
+            e_chunk_in = _s_error(Kc, qb, _fp22_chain(Kk, Qkb, chunks) / float(sb))
+            assert e_chunk_in[0] <= e_bf16[0] and e_chunk_in[1] <= e_bf16[1]
+            results[(H, sig)] = dict(split=e_split, bf16=e_bf16, bf16_input=e_in,
+                                     fp22_chunks=e_chunk, fp22_one_chain=e_chain,
+                                     fp22_chunks_bf16_input=e_chunk_in)
+    # all-zero Q (and rows >= H) must give zeros, not NaN
+    hi, lo, s = q_split_e4m3_reference(torch.zeros(4, 576))
+    assert torch.isfinite(s) and (hi.float() == 0).all() and (lo.float() == 0).all()
+    for key, r in results.items():
+        print(key, {k: tuple(f"{x:.2e}" for x in v) for k, v in r.items()})
 
 
 def test_combine_kernel_compiles():

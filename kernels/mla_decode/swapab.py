@@ -53,43 +53,57 @@ fp8 e4m3 cache (kv_fp8=True; the same kernel, branches on kv_fp8 at trace time; 
 unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale by the host.
   * producer unchanged: one TMA of the raw [64, 576] fp8 tile (36,864 B) per stage, smem layout
     `raw_layout` = 9 column blocks of [64 tokens, 64 bytes], 64-byte swizzle (the 16-byte unit
-    (d % 64) // 16 XOR (t // 2) % 4); 5 stages (half-size stages).
-  * Q rounded to fp16 once into smem (K-major, 128-byte swizzle), its dims permuted inside every
-    64-dim chunk as in the mma core's fp8 path (Q_PERM), so that the 4 bytes of a thread's
-    K A-fragment of one k-step are contiguous: one 16-byte ld.shared per row and 64-dim chunk
-    gives the A values of 4 k-steps.
-  * S^T = K Q^T: fp16 wgmma m64nNk16 with A from registers (OperandSource.RMEM): per chunk two
-    16-byte loads, 16 cvt.rn.f16x2.e4m3x2 (exact), 4 wgmmas in one commit group. Thread 4 g + tig
-    of warp w holds S^T rows m = 16 w + g (+ 8) (the wgmma A / m16n8k16 layout, read from the
-    library's tv_layout_A); row m is token row_token(m) (bits 0-1 of m permuted) so that both
-    fragment loads are bank-conflict free (S^T rows, the mask, P^T and PV all use that order;
-    the softmax is order-free).
-  * P^T fp16 in smem, as the bf16 path (row m of S^T -> k position m).
-  * O^T += V^T P^T: fp16 wgmma, A = V^T from registers. O^T row m = 64 mb + 16 w + 8 r8 + g holds
-    latent dim 128 w + 16 g + 2 mb + r8 (DIM_PERM; the epilogue writes through that layout), so
-    a thread's 16 rows are 16 consecutive bytes of one token: per 16-token k-step four 16-byte
-    loads (tokens row_token(2 tig + jp + 8 jh)), prmt 0x5140 / 0x7362 pairs the bytes of the two
-    tokens of a k pair, one cvt per pair (as the mma core's fp8 PV gather); groups of
-    `pv_group` M blocks per commit. Tokens past the end are zeroed in registers (select on the
+    (d % 64) // 16 XOR (t // 2) % 4); 5 stages (half-size stages). This is the canonical K-major
+    64-byte-swizzle layout of an 8-bit wgmma operand (8-row x 64-byte core matrices, 512 bytes
+    apart), so the stage is S^T's A operand as it is.
+  * Q as two e4m3 terms: per CTA s = 2^floor(log2(448 / max|q|)) over the request's H x 576
+    values (max over the 128 consumer threads: shuffles + smem; >= 2^-100, so an all-zero Q
+    works), Q_hi = e4m3(s q), Q_lo = e4m3(s q - Q_hi) (cvt.rn.satfinite.e4m3x2.f32; s q and
+    the difference are exact in fp32), stored to smem [h_pad, 576, 2] (`q8_layout`: the same
+    K-major 64-byte-swizzle atoms; rows >= H zero), no dim permutation. S^T comes out in units
+    of s: 1 / s (exact) is folded into the softmax scale (scale_s = scale_log2 / s, also used
+    for the LSE). `q_split_e4m3_reference` is the torch mirror the CPU numerics test uses: the
+    split alone is ~1000x below bf16 rounding for a bf16 q, and below it for an fp32 q.
+  * S^T = K (Q_hi + Q_lo)^T: 36 native e4m3 wgmma m64nNk32 (fp32 accumulate), A = the stage in
+    smem (descriptor: 64-byte swizzle, SBO 512 B; k-step k starts at (k // 2) 4096 + (k % 2) 32
+    bytes), B = Q_hi / Q_lo in smem (term t, k-step k at t h_pad 576 + (k // 2) 64 h_pad +
+    (k % 2) 32). No K conversion. The fp8 wgmma accumulator is reported to keep only ~13-14
+    mantissa bits (DeepSeek-V3 report; SageAttention2: "FP22"), so with qk_promote (default) the
+    36 wgmmas run as 9 chunks of 4 (k-steps 2 c, 2 c + 1 with Q_hi, then Q_lo), chunk 0 into
+    S^T, chunk c >= 1 into a zeroed accumulator (two alternate, h_pad / 2 registers each) that is
+    added to S^T with FADDs once retired, while chunk c + 1 runs. All of S^T's wgmmas have
+    retired before the softmax (and so before the stage's release). S^T row m is token m.
+  * P^T fp16 in smem: S^T row (token) m goes to k position row_token_inv(m), the order PV's V^T
+    fragments use (the thread writes through the C partition of the thread whose rows are
+    row_token_inv of its own: row_token only permutes bits 0-1 of the row = of lane // 4).
+  * O^T += V^T P^T (unchanged): fp16 wgmma, A = V^T from registers. O^T row m = 64 mb + 16 w +
+    8 r8 + g holds latent dim 128 w + 16 g + 2 mb + r8 (DIM_PERM; the epilogue writes through
+    that layout), so a thread's 16 rows are 16 consecutive bytes of one token: per 16-token k-step
+    four 16-byte loads (tokens row_token(2 tig + jp + 8 jh), conflict free), prmt 0x5140 / 0x7362
+    pairs the bytes of the two tokens of a k pair, one cvt per pair; groups of `pv_group` M blocks
+    per commit, 2 groups in flight. Tokens past the end are zeroed in registers (select on the
     loaded words: the cache bytes there may be NaN encodings, and p = 0 * NaN would be NaN);
-    their scores are masked to -inf as on the bf16 path. K rows past the end need no zeroing
-    (their S^T rows are overwritten by the mask).
-  * per tile and thread: 34 ld.shared.v4, 272 cvt, 64 prmt, 68 wgmma; the stage is released
-    (sync_warp + one arrive per warp) as soon as the last V words have been converted, before
-    the last PV wgmma group retires.
-  * overlap inside the tile: at h_pad 16 the next chunk's / group's A fragments are loaded and
-    converted while the previous wgmma group runs (2 groups in flight, wait_group 1); at h_pad 32
-    (O^T = 128 registers) S runs serially per chunk and PV keeps 2 groups of 2 blocks in flight:
-    the only setting found that compiles without a spill stack.
+    their scores are masked to -inf as on the bf16 path. K rows past the end only reach their own
+    S^T rows, which the mask overwrites.
+  * per tile and thread: 36 e4m3 wgmma (S^T) + 32 fp16 wgmma (O^T), 16 ld.shared.v4 (V), 128
+    cvt.rn.f16x2.e4m3x2 (V), 64 prmt, 8 x h_pad / 2 FADDs (chunk sums); was 34 ld.shared.v4,
+    272 cvt (144 for K), 64 prmt, 68 fp16 wgmma. Once per CTA: 9 h_pad / 4 split pairs (each
+    2 cvt.rn.satfinite.e4m3x2.f32 + 1 cvt.rn.f16x2.e4m3x2), 9 h_pad / 8 pairs of 8-byte
+    st.shared. The stage is released (sync_warp + one arrive per warp) once the last V words
+    have been converted (S^T's smem reads retired earlier), before the last PV group retires.
   * registers (cubin, CPU build): 240 at launch, no spill stack, h_pad 16 and 32. smem
     (kernel_config.smem_bytes, 4 KB slack): 230,912 B at h_pad 32, 209,664 B at h_pad 16
-    (5 x 36 KB ring + Q 36 / 18 KB + P^T 4 / 2 KB + stats).
-  * fragment addressing is checked on the CPU (tests/test_mla_decode_compile.py,
-    test_swapab_fp8_fragment_layouts) against the library's wgmma A layout and the TMA layout.
-  Status of the fp8 path: compiles on CPU; UNTESTED ON A GPU.
+    (5 x 36 KB ring + Q_hi/Q_lo 36 / 18 KB + P^T 4 / 2 KB + stats), as before.
+  * checked on the CPU (tests/test_mla_decode_compile.py): the descriptor fields and start
+    offsets in the PTX, a model of the wgmma's swizzled addressing against the TMA layout and
+    the Q stores (test_swapab_fp8_fragment_layouts), P^T's order, the V^T fragments against the
+    library's wgmma A layout, the split's numerics (test_swapab_fp8_q_split_numerics).
+  Status of the fp8 path: compiles on CPU; UNTESTED ON A GPU (the previous fp8 path, fp16 wgmma
+  with K widened in registers, passed the GPU tests; this one has not run).
 
 Status: compiles to sm_90a on CPU (tests/test_mla_decode_compile.py: wgmma counts, registers and
-no spill stack read from the cubin); NOT yet run on a GPU (bf16 or fp8). Next steps once it is correct: overlap
+no spill stack read from the cubin); the bf16 path and the previous fp8 path passed the H200 GPU
+tests; the fp8 path above (native e4m3 S^T) is UNTESTED ON A GPU. Next steps: overlap
 S of tile t+1 with the softmax / PV of tile t (or two consumer warpgroups ping-ponging tiles), a
 smem-staged vectorized epilogue, stmatrix for P^T.
 """
@@ -100,7 +114,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, MlaDecodeKernel,
                                                 _cvt_e4m3x2_f16x2, _prmt, query_tensors,
@@ -117,11 +133,65 @@ FP8_BLOCK = TILE_N * 64     # bytes of one [64 tokens, 64 dims] column block of 
 # 16 g + r8 + 128 w + 2 mb, so that one thread's 16 A rows are 16 consecutive bytes of a token
 DIM_PERM = (8, 2, 4, 8)
 DIM_PERM_STRIDE = (16, 1, 128, 2)
-# fp8 S^T: the K (dim) order of Q in smem / of the K A-fragments, as a layout logical -> dim
-# (the mma core's fp8 permutation, MlaDecodeKernel._load_q): logical 64 c + 16 s + kk holds dim
-# 64 c + 16 ((kk % 8) // 2) + 4 s + kk % 2 + 2 (kk // 8)
-Q_PERM = (2, 2, 2, 2, 2, 2, D_QK // 64)
-Q_PERM_STRIDE = (1, 16, 32, 2, 4, 8, 64)
+E4M3_MAX = 448.0           # largest finite e4m3 value
+# fp8 S^T: 9 chunks of 64 dims, each 4 wgmma m64nNk32 (k-steps 2 c, 2 c + 1 of Q_hi, then of
+# Q_lo) into a zeroed accumulator that is added to S^T in fp32 (see _fp8_qk)
+QK_CHUNKS = D_QK // 64
+
+
+def q_split_e4m3_reference(q):
+    """torch mirror of the fp8 path's Q split (CPU tests): q [H, 576] (any float dtype; the kernel
+    reads bf16) -> (Q_hi, Q_lo as torch.float8_e4m3fn, s as a float32 scalar tensor) with
+    s = 2^floor(log2(fp32(448 / max(max|q|, 2^-100)))), Q_hi = e4m3(s q), Q_lo = e4m3(s q - Q_hi),
+    both round-to-nearest-even (cvt.rn.satfinite; |s q| <= 448, so nothing saturates).
+    q ~= (Q_hi + Q_lo) / s; the kernel scales S^T by 1 / s through the softmax scale."""
+    import torch
+    qf = q.float()
+    amax = qf.abs().max().clamp_min(2.0 ** -100)
+    s = torch.tensor(E4M3_MAX, dtype=torch.float32) / amax        # div.rn.f32
+    _, e = torch.frexp(s)
+    s = torch.ldexp(torch.ones((), dtype=torch.float32), e - 1)  # and.b32 0x7F800000
+    y = qf * s                                                    # exact (power of two)
+    hi = y.to(torch.float8_e4m3fn)
+    lo = (y - hi.float()).to(torch.float8_e4m3fn)                 # y - hi exact in fp32
+    return hi, lo, s
+
+
+@dsl_user_op
+def _pow2_scale(amax, *, loc=None, ip=None) -> Float32:
+    """s = 2^floor(log2(448 / max(amax, 2^-100))) (fp32 bits: the exponent of 448 / amax)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(amax).ir_value(loc=loc, ip=ip)],
+        "{ .reg .f32 t; .reg .b32 b; max.f32 t, $1, 0f0D800000; div.rn.f32 t, 0f43E00000, t; "
+        "mov.b32 b, t; and.b32 b, b, 0x7F800000; mov.b32 $0, b; }",
+        "=f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _pow2_inv(s, *, loc=None, ip=None) -> Float32:
+    """1 / s for a power of two s = 2^e, |e| <= 126 (exact: biased exponent 254 - E)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(s).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 b; mov.b32 b, $1; sub.s32 b, 0x7F000000, b; mov.b32 $0, b; }",
+        "=f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _split_e4m3x2(y0, y1, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values -> bits 0-15: e4m3x2 (hi0, hi1) = RN(y0), RN(y1) (saturating), bits 16-31:
+    e4m3x2 (lo0, lo1) = RN(y0 - hi0), RN(y1 - hi1); value 0 in the lower byte of each pair
+    (cvt.rn.satfinite.e4m3x2.f32 d, a, b puts b in the lower byte). hi back to fp32 through the
+    exact cvt.rn.f16x2.e4m3x2; y - hi is exact in fp32 (q_split_e4m3_reference mirrors this)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(y0).ir_value(loc=loc, ip=ip), Float32(y1).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 h, l, a, b; .reg .b32 hf; .reg .f32 fa, fb; "
+        "cvt.rn.satfinite.e4m3x2.f32 h, $2, $1; cvt.rn.f16x2.e4m3x2 hf, h; mov.b32 {a, b}, hf; "
+        "cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; sub.f32 fa, $1, fa; sub.f32 fb, $2, fb; "
+        "cvt.rn.satfinite.e4m3x2.f32 l, fb, fa; mov.b32 $0, {h, l}; }",
+        "=r,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 class MlaDecodeSwapAbKernel:
@@ -138,10 +208,12 @@ class MlaDecodeSwapAbKernel:
         self.ctas_per_sm = 1
         self.page_tokens = page_tokens
         self.tiles_per_page = page_tokens // TILE_N
-        # cache element type; MMA operand type (fp8: Q rounded to fp16, P fp16, K / V widened
-        # from the raw bytes in registers with cvt.rn.f16x2.e4m3x2, exact)
+        # cache element type; PV operand type (fp8: P fp16, V widened from the raw bytes in
+        # registers with cvt.rn.f16x2.e4m3x2, exact); S^T operand type (fp8: K raw e4m3 from the
+        # stage, Q as two e4m3 terms Q_hi + Q_lo, native fp8 wgmma)
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else BFloat16
         self.cdt = Float16 if self.kv_fp8 else BFloat16
+        self.qdt = cutlass.Float8E4M3FN if self.kv_fp8 else BFloat16
         self.h_pad = h_pad
         self.num_threads = 256
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
@@ -154,11 +226,15 @@ class MlaDecodeSwapAbKernel:
         assert self.stages >= 2, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
-        # fp8: wgmma groups allowed in flight while the next A fragments are built (S: groups of
-        # the 4 k-steps of a 64-dim chunk; PV: groups of pv_group M blocks of one k-step). At
-        # h_pad 32 (O^T = 128 registers) only this choice compiles without a spill stack (ptxas,
-        # CPU build): S serial per chunk, PV 2 groups of 2 blocks in flight.
-        self.qk_in_flight = 2 if h_pad == 16 else 1
+        # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
+        # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
+        # while the previous is added); False = one chain of 36 wgmmas into S^T. The fp8 wgmma
+        # accumulator is reported to keep only ~13-14 mantissa bits (DeepSeek-V3 report,
+        # SageAttention2); in a CPU model of that (tests/test_mla_decode_compile.py) one chain of
+        # 36 costs about as much as rounding an fp32 Q to bf16, 9 chunks about a third of it.
+        self.qk_promote = True
+        # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
+        # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
         self.pv_in_flight = 2
         self.pv_group = 4 if h_pad == 16 else 2
         self.consumer_regs = CONSUMER_REGS
@@ -196,11 +272,13 @@ class MlaDecodeSwapAbKernel:
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
         cdt = self.cdt
         if cutlass.const_expr(self.kv_fp8):
-            # fp8: both A operands (K for S^T, V^T for O^T) are built in registers from the raw
-            # fp8 bytes (fp16 values); B = Q / P^T in smem (fp16, K-major)
+            # fp8: S^T = K Q^T with the native e4m3 wgmma m64nNk32: A = the raw fp8 K tile of the
+            # stage (smem, K-major, as TMA wrote it), B = Q_hi / Q_lo (smem, e4m3, K-major).
+            # O^T: A = V^T built in registers from the raw fp8 bytes (fp16), B = P^T (fp16 smem)
             RMEM = warpgroup.OperandSource.RMEM
+            e4m3 = cutlass.Float8E4M3FN
             qk_mma = sm90_utils.make_trivial_tiled_mma(
-                cdt, cdt, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (TILE_N, hp), RMEM)
+                e4m3, e4m3, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (TILE_N, hp))
             pv_mma = sm90_utils.make_trivial_tiled_mma(
                 cdt, cdt, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (64, hp), RMEM)
         else:
@@ -214,7 +292,12 @@ class MlaDecodeSwapAbKernel:
 
         atom_k = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cdt)
         atom_mn = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, cdt)
-        sQ_layout = cute.tile_to_shape(atom_k, (hp, D_QK), (0, 1))
+        if cutlass.const_expr(self.kv_fp8):
+            # Q_hi, Q_lo [hp, 576, 2] e4m3, K-major: the same 8-row x 64-byte, 64-byte swizzle
+            # atoms as the K tile (576 bytes are not a multiple of the 128-byte swizzle)
+            sQ_layout = self.q8_layout(hp)
+        else:
+            sQ_layout = cute.tile_to_shape(atom_k, (hp, D_QK), (0, 1))
         if cutlass.const_expr(self.kv_fp8):
             # the raw fp8 ring as TMA writes it: 9 column blocks of [64 tokens, 64 bytes], each
             # 8-row x 64-byte atoms with the 64-byte swizzle (16-byte unit ^= (token >> 1) % 4)
@@ -233,13 +316,14 @@ class MlaDecodeSwapAbKernel:
 
         stages = self.stages
         kvt = self.kv_dtype
+        qdt = self.qdt
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sMax: cute.struct.Align[cute.struct.MemRange[Float32, 2 * N_WARPS * hp], 16]
             sSum: cute.struct.Align[cute.struct.MemRange[Float32, N_WARPS * hp], 16]
-            sQ: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sQ_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[qdt, cute.cosize(sQ_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sP_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kvt, cute.cosize(sK_layout)], 1024]
 
@@ -339,27 +423,36 @@ class MlaDecodeSwapAbKernel:
                 thr_q = copy_q.get_slice(wtid)
                 gQ = cute.local_tile(mQ[b, None, None], (hp, D_QK), (0, 0))
                 tQg = thr_q.partition_S(gQ)
-                tQs = thr_q.partition_D(sQ)
+                if cutlass.const_expr(not self.kv_fp8):
+                    tQs = thr_q.partition_D(sQ)
                 tQc = thr_q.partition_S(cute.make_identity_tensor((hp, D_QK)))
                 if cutlass.const_expr(self.kv_fp8):
-                    # fp8: Q rounded to fp16 through registers, its 576 dims permuted inside every
-                    # 64-dim chunk exactly as the mma core's fp8 path does (MlaDecodeKernel._load_q):
-                    # logical dim 64 c + 16 s + kk holds dim 64 c + 16 ((kk % 8) // 2) + 4 s
-                    # + kk % 2 + 2 (kk // 8), so that the K A-fragment of k-step s is the 4 bytes
-                    # 64 c + 16 tig + 4 s .. + 3 of the thread's token (see _fp8_k_addresses)
-                    gQp = cute.make_tensor(gQ.iterator, cute.make_layout(
-                        (hp, Q_PERM), stride=(D_QK, Q_PERM_STRIDE)))
-                    tQgp = thr_q.partition_S(gQp)
-                    for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+                    # fp8: Q = (Q_hi + Q_lo) / s, both terms e4m3 in smem (_store_q_fp8), with
+                    # s = 2^floor(log2(448 / max|q|)) over the request's H x 576 values (>= 2^-100:
+                    # all-zero Q is fine); S^T is computed in units of s, 1 / s (exact) folded
+                    # into the softmax scale. Max over the 128 threads: butterfly shuffles, then
+                    # sMax[0, warp, 0] (its first use in the tile loop is behind 2 barriers)
+                    rq = cute.make_rmem_tensor(tQg.shape, BFloat16)
+                    for m in cutlass.range_constexpr(cute.size(tQg.shape[1])):
                         if tQc[0, m, 0][0] < heads:
-                            rq = cute.make_fragment_like(tQgp[None, m, None], BFloat16)
-                            cute.autovec_copy(tQgp[None, m, None], rq)
-                            rh = cute.make_fragment_like(rq, Float16)
-                            rh.store(rq.load().to(Float16))
-                            cute.autovec_copy(rh, tQs[None, m, None])
+                            cute.autovec_copy(tQg[None, m, None], rq[None, m, None])
                         else:
-                            tQs[None, m, None].fill(0)
+                            rq[None, m, None].fill(0)
+                    amax = abs(rq.load().to(Float32)).reduce(cute.ReductionOp.MAX,
+                                                              Float32(0.0), 0)
+                    for off in (1, 2, 4, 8, 16):
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(
+                            amax, offset=off, mask=-1, mask_and_clamp=31))
+                    if lane == 0:
+                        sMax[0, cwarp, 0] = amax
+                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                    for w in cutlass.range_constexpr(N_WARPS):
+                        amax = cute.arch.fmax(amax, sMax[0, w, 0])
+                    q_scale = _pow2_scale(amax)
+                    self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
+                    scale_s = scale_log2 * _pow2_inv(q_scale)
                 else:
+                    scale_s = scale_log2
                     for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
                         if tQc[0, m, 0][0] < heads:
                             cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
@@ -372,9 +465,10 @@ class MlaDecodeSwapAbKernel:
 
                 thr_qk = qk_mma.get_slice(wtid)
                 thr_pv = pv_mma.get_slice(wtid)
-                if cutlass.const_expr(not self.kv_fp8):
-                    tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sK))   # (MMA, 1, 36, st)
-                tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))       # (MMA, 1, 36)
+                # bf16: (MMA, 1, 36, st) / (MMA, 1, 36); fp8 (k32): (MMA, 1, 18, st) /
+                # (MMA, 1, 18, 2) (Q_hi, Q_lo)
+                tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sK))
+                tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
                 tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))       # (MMA, 1, 4)
                 acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
                 acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((D_V, hp)))
@@ -384,7 +478,16 @@ class MlaDecodeSwapAbKernel:
                 # like S^T, so that element i of the S^T fragment goes to tSsP[i]
                 tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_N, hp)))
                 sPt = cute.make_tensor(sP.iterator, cute.select(sP_layout.outer, mode=[1, 0]))
-                tSsP = thr_qk.partition_C(sPt)
+                if cutlass.const_expr(self.kv_fp8):
+                    # fp8: S^T row m is token m, PV's k position m is token row_token(m): this
+                    # thread's S^T element (m, n) goes to P^T position row_token_inv(m), which is
+                    # element i of the C partition of the thread whose rows are row_token_inv of
+                    # ours (row_token only permutes bits 0-1 of m = bits 0-1 of g = lane // 4)
+                    tSsP = qk_mma.get_slice(
+                        32 * cwarp + 4 * self.row_token_inv(lane // 4) + lane % 4
+                    ).partition_C(sPt)
+                else:
+                    tSsP = thr_qk.partition_C(sPt)
                 rP = cute.make_fragment_like(acc_S, self.cdt)
                 tScS_mn = self._mn_view(tScS)
                 acc_S_mn = self._mn_view(acc_S)
@@ -398,9 +501,8 @@ class MlaDecodeSwapAbKernel:
                 col_sum.fill(0.0)
                 n_k = cute.size(tSrQ.shape[2])
                 if cutlass.const_expr(self.kv_fp8):
-                    # per-thread shared byte addresses of the raw fp8 fragment loads (stage 0)
+                    # per-thread shared byte addresses of the raw fp8 V fragment loads (stage 0)
                     raw_base = sK.iterator.toint()
-                    k_addr = raw_base + self._fp8_k_addresses(lane, cwarp)
                     v_tok, v_off = self._fp8_v_addresses(lane, cwarp)
                     v_addr = [raw_base + a for a in v_off]
                     # O^T in 4-block (256-row) groups: the PV wgmma groups of one k-step
@@ -409,6 +511,9 @@ class MlaDecodeSwapAbKernel:
                     acc_O_grp = cute.make_tensor(acc_O.iterator, cute.make_layout(
                         (lO.shape[0], (gb, 8 // gb), lO.shape[2]),
                         stride=(lO.stride[0], (lO.stride[1], gb * lO.stride[1]), lO.stride[2])))
+                    # S^T chunk accumulators (qk_promote)
+                    acc_T = [thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
+                             for _ in range(2 if self.qk_promote else 0)]
 
                 for t in cutlass.range(t_begin, t_end, unroll=1):
                     h = consumer.wait_and_advance()
@@ -416,10 +521,11 @@ class MlaDecodeSwapAbKernel:
                     buf = (t - t_begin) % 2
                     last = (t + 1) * TILE_N > seqlen
                     if cutlass.const_expr(self.kv_fp8):
-                        # S^T = K Q^T, A = K widened in registers (_fp8_qk); V rows past the end
-                        # are zeroed in registers in PV
+                        # S^T = K (Q_hi + Q_lo)^T, fp8 wgmma with A = the stage in smem
+                        # (_fp8_qk; retired when it returns); V rows past the end are zeroed in
+                        # registers in PV, K rows past the end only reach masked S^T rows
                         soff = kstage * (TILE_N * D_QK)
-                        self._fp8_qk(qk_mma, thr_qk, acc_S, tSrQ, k_addr, soff)
+                        self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
                     else:
                         if last:
                             # zero the V rows past the end (4 of the 512 columns per thread)
@@ -442,8 +548,6 @@ class MlaDecodeSwapAbKernel:
                     if last:
                         for r in cutlass.range_constexpr(n_rows):
                             row = tScS_mn[r, 0][0]
-                            if cutlass.const_expr(self.kv_fp8):
-                                row = self.row_token(row)     # fp8: row m holds token row_token(m)
                             if t * TILE_N + row >= seqlen:
                                 for c in cutlass.range_constexpr(n_cols):
                                     acc_S_mn[r, c] = -Float32.inf
@@ -462,9 +566,9 @@ class MlaDecodeSwapAbKernel:
                         m_new = col_max[c]
                         for w in cutlass.range_constexpr(N_WARPS):
                             m_new = cute.arch.fmax(m_new, sMax[buf, w, col])
-                        factor = cute.math.exp2((col_max[c] - m_new) * scale_log2, fastmath=True)
-                        p = cute.math.exp2(acc_S_mn[None, c].load() * scale_log2
-                                           - m_new * scale_log2, fastmath=True)
+                        factor = cute.math.exp2((col_max[c] - m_new) * scale_s, fastmath=True)
+                        p = cute.math.exp2(acc_S_mn[None, c].load() * scale_s
+                                           - m_new * scale_s, fastmath=True)
                         col_sum[c] = col_sum[c] * factor + p.reduce(cute.ReductionOp.ADD,
                                                                     Float32.zero, 0)
                         acc_S_mn[None, c] = p
@@ -507,7 +611,7 @@ class MlaDecodeSwapAbKernel:
                     for w in cutlass.range_constexpr(1, N_WARPS):
                         total = total + sSum[w, col]
                     acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / total)
-                    lse_c[c] = (col_max[c] * scale_log2
+                    lse_c[c] = (col_max[c] * scale_s
                                 + cute.math.log2(total, fastmath=False)) * LN_2
 
                 # O^T [d, h] -> out[b, h, d]: the output rows seen transposed
@@ -570,19 +674,45 @@ class MlaDecodeSwapAbKernel:
         return (m - m % 4) + ((m % 2) ^ ((m // 2) % 2)) + 2 * (m % 2)
 
     @staticmethod
-    def _fp8_k_addresses(lane, cwarp):
-        """S^T's A = K [64 tokens, 576]: warp w, lane 4 g + tig holds rows m = 16 w + g and
-        16 w + g + 8 (tokens row_token(m), the second = the first + 8, at + 512 bytes); with Q's dims permuted (Q_PERM) its k-step s of
-        64-dim chunk c is the 4 bytes 64 c + 16 tig + 4 s .. + 3 of each row (bytes 0, 1 ->
-        k = 2 tig, 2 tig + 1; bytes 2, 3 -> k = 2 tig + 8, 2 tig + 9). One 16-byte load per row
-        and chunk: returns the byte offset of row 16 w + g, chunk 0 (row + 8: + 512, chunk c:
-        + c * FP8_BLOCK). A quarter warp reads rows
-        m, m + 1 (m even): tokens of opposite parity (opposite 64-byte halves of a 128-byte bank
-        line), 4 distinct units each: conflict free."""
-        g = lane // 4
-        tig = lane % 4
-        return MlaDecodeSwapAbKernel._raw_offset(
-            MlaDecodeSwapAbKernel.row_token(16 * cwarp + g), 16 * tig)
+    def row_token_inv(t):
+        """The S^T row m with row_token(m) = t: bits (0, 1) of m are (t1, t0 ^ t1)."""
+        return (t - t % 4) + (t // 2) % 2 + 2 * ((t % 2) ^ ((t // 2) % 2))
+
+    @staticmethod
+    def q8_layout(hp: int):
+        """smem layout of Q_hi, Q_lo [hp, 576, 2] (e4m3, K-major): 8-row x 64-byte atoms with the
+        64-byte swizzle, stacked along the heads, then the 9 column blocks, then the two terms."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64,
+                                               cutlass.Float8E4M3FN)
+        return cute.tile_to_shape(atom, (hp, D_QK, 2), (0, 1, 2))
+
+    @staticmethod
+    def _q8_offset(hp: int, h, d):
+        """Byte offset of (head h, dim d, Q_hi) in q8_layout(hp) (Q_lo: + hp * 576); d % 8 == 0
+        keeps 8 bytes contiguous."""
+        return (d // 64) * (hp * 64) + h * 64 + ((d % 64) ^ (((h // 2) % 4) * 16))
+
+    def _store_q_fp8(self, rq, tQc, s, q_base):
+        """fp8 path: this thread's Q vectors rq (bf16, copy_q partition, coordinates tQc) ->
+        Q_hi = e4m3(s q), Q_lo = e4m3(s q - Q_hi) in smem (q8_layout at byte address q_base):
+        per vector of 8 dims 4 _split_e4m3x2, 4 prmt, two 8-byte st.shared (s is a power of two,
+        so s q is exact, and so is s q - Q_hi)."""
+        hp = self.h_pad
+        for m in range(cute.size(rq.shape[1])):
+            for c in range(cute.size(rq.shape[2])):
+                ry = cute.make_rmem_tensor((8,), Float32)
+                ry.store(rq[None, m, c].load().to(Float32) * s)
+                pr = [_split_e4m3x2(ry[2 * j], ry[2 * j + 1]) for j in range(4)]
+                hi = cute.make_rmem_tensor((2,), Int32)
+                lo = cute.make_rmem_tensor((2,), Int32)
+                for w in range(2):
+                    hi[w] = _prmt(pr[2 * w], pr[2 * w + 1], 0x5410)
+                    lo[w] = _prmt(pr[2 * w], pr[2 * w + 1], 0x7632)
+                crd = tQc[0, m, c]
+                off = q_base + self._q8_offset(hp, crd[0], crd[1])
+                for dst, src in ((off, hi), (off + hp * D_QK, lo)):
+                    ptr = cute.make_ptr(Int32, dst, cute.AddressSpace.smem, assumed_align=8)
+                    cute.autovec_copy(src, cute.make_tensor(ptr, cute.make_layout((2,))))
 
     @staticmethod
     def _fp8_v_addresses(lane, cwarp):
@@ -600,28 +730,31 @@ class MlaDecodeSwapAbKernel:
         offs = [MlaDecodeSwapAbKernel._raw_offset(tok, 128 * cwarp + 16 * g) for tok in toks]
         return toks, offs
 
-    def _fp8_qk(self, qk_mma, thr_qk, acc_S, tSrQ, k_addr, soff):
-        """S^T = K Q^T with A = K widened in registers: per 64-dim chunk two 16-byte loads, 16
-        cvt.rn.f16x2.e4m3x2 into the A fragments of 4 k-steps, one wgmma group of 4; the chunk's
-        conversion overlaps the previous chunk's wgmmas (at most 2 groups in flight)."""
-        for c in range(D_QK // 64):
-            kw = [MlaDecodeKernel._lds_u32(k_addr + soff + (FP8_BLOCK * c + 512 * r), 4)
-                  for r in range(2)]
-            rA = thr_qk.make_fragment_A(thr_qk.partition_shape_A((TILE_N, 64)))  # (8, 1, 4)
-            rA32 = cute.recast_tensor(rA, Int32)
-            for s4 in range(4):
-                for hi in range(2):
-                    for r in range(2):
-                        # word r + 2 hi of the k-step: rows g (r 0) / g + 8 (r 1), k = 2 tig + 8 hi
-                        rA32[4 * s4 + 2 * hi + r] = _cvt_e4m3x2_f16x2(kw[r][s4], hi == 1)
+    def _fp8_qk(self, qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage):
+        """S^T = K (Q_hi + Q_lo)^T with the e4m3 wgmma m64nNk32, both operands in smem (A = the
+        stage's raw K tile, B = Q_hi / Q_lo): 9 chunks of 64 dims, 4 wgmmas each (k-steps 2 c,
+        2 c + 1 with Q_hi, then with Q_lo). qk_promote: chunk 0 into acc_S, chunk c >= 1 into the
+        zeroed acc_T[(c - 1) % 2], added to acc_S in fp32 once retired (chunk c in flight while
+        chunk c - 1 is added). Every wgmma has retired (the stage may be released) on return."""
+        for c in range(QK_CHUNKS):
+            if self.qk_promote:
+                dst = acc_S if c == 0 else acc_T[(c - 1) % 2]
+            else:
+                dst = acc_S
             warpgroup.fence()
-            for s4 in range(4):
-                k = 4 * c + s4
-                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(qk_mma, acc_S, rA[None, None, s4], tSrQ[None, None, k], acc_S)
+            for j in range(4):
+                k, half = 2 * c + j % 2, j // 2
+                qk_mma.set(warpgroup.Field.ACCUMULATE,
+                           j != 0 if self.qk_promote else (c, j) != (0, 0))
+                cute.gemm(qk_mma, dst, tSrK[None, None, k, kstage], tSrQ[None, None, k, half],
+                          dst)
             warpgroup.commit_group()
-            warpgroup.wait_group(self.qk_in_flight - 1)
+            if self.qk_promote and c >= 2:
+                warpgroup.wait_group(1)           # chunk c - 1 retired
+                acc_S.store(acc_S.load() + acc_T[(c - 2) % 2].load())
         warpgroup.wait_group(0)
+        if self.qk_promote:
+            acc_S.store(acc_S.load() + acc_T[(QK_CHUNKS - 2) % 2].load())
 
     def _fp8_pv(self, pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff, n_valid, h):
         """O^T += V^T P^T with A = V^T gathered and widened in registers: per 16-token k-step
