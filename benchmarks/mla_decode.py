@@ -37,9 +37,9 @@ ROTATE_BYTES = 256 << 20  # graph working set at least this large (L2 is 60 MB)
 MIN_CALLS = 16
 
 
-def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False):
+def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, head_groups=None):
     from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call
-    core, splits = plan_call(B, H, L, fp8, core, early_kv, splits)
+    core, splits, head_groups = plan_call(B, H, L, fp8, core, early_kv, splits, head_groups)
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     n_sets = max(1, min(64, -(-ROTATE_BYTES // per_call)))     # disjoint page sets
@@ -62,7 +62,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False):
     def run_all():
         for k in range(K):
             mla_decode_cutedsl(qs[k], cache, bts[k % n_sets], seq, SCALE, kv_scale, num_splits=splits,
-                               out=outs[k], lse=lses[k], core=core,
+                               out=outs[k], lse=lses[k], core=core, head_groups=head_groups,
                                early_kv=early_kv)
 
     s = torch.cuda.Stream()
@@ -90,7 +90,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False):
     del g, cache
     torch.cuda.empty_cache()
     return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, early_kv=early_kv,
-                num_splits=splits,
+                num_splits=splits, head_groups=head_groups,
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,

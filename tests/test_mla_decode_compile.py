@@ -439,10 +439,30 @@ def test_choose_core_follows_the_h200_measurements():
 
 
 def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():
-    assert mc.plan_call(64, 12, 32768, True, "auto", False) == ("mma", 4)
-    assert mc.plan_call(64, 12, 32768, False, "auto", False) == ("swapab", 2)
-    assert mc.plan_call(64, 32, 32768, True, "mma", False) == ("mma", 2)    # h_pad 32: 1 CTA/SM
-    assert mc.plan_call(1, 12, 8192, True, "wgmma", False, num_splits=7) == ("wgmma", 7)
+    assert mc.plan_call(64, 12, 32768, True, "auto", False) == ("mma", 4, 1)
+    assert mc.plan_call(64, 12, 32768, False, "auto", False) == ("swapab", 2, 1)
+    assert mc.plan_call(64, 32, 32768, True, "mma", False) == ("mma", 2, 1)  # h_pad 32: 1 CTA/SM
+    assert mc.plan_call(1, 12, 8192, True, "wgmma", False, num_splits=7) == ("wgmma", 7, 1)
+
+
+def test_plan_call_head_groups():
+    # a short H = 32 problem spreads its heads over 2 CTAs per split (swapab only); the splits
+    # then fill the SMs for B * 2 requests
+    assert mc.plan_call(1, 32, 8192, False, "swapab", False) == ("swapab", 64, 2)
+    assert mc.plan_call(8, 32, 8192, False, "swapab", False) == ("swapab", 8, 2)
+    assert mc.plan_call(64, 32, 8192, False, "swapab", False) == ("swapab", 2, 1)
+    assert mc.plan_call(1, 12, 8192, False, "swapab", False) == ("swapab", 64, 1)
+    assert mc.plan_call(1, 32, 8192, False, "swapab", False, head_groups=1)[2] == 1
+    with pytest.raises(ValueError, match="head_groups=2 needs the swapab core"):
+        mc.plan_call(1, 32, 8192, False, "mma", False, head_groups=2)
+    with pytest.raises(ValueError, match="divide H=31"):
+        mc.plan_call(1, 31, 8192, False, "swapab", False, head_groups=2)
+
+
+def test_swapab_head_groups_compile_as_their_own_variant():
+    one = mc.compile_main(False, 16, 64, core="swapab")
+    two = mc.compile_main(False, 16, 64, core="swapab", head_groups=2)
+    assert one is not two and mc.compile_main(False, 16, 64, core="swapab", head_groups=2) is two
 
 
 @pytest.mark.parametrize("core,kv_fp8", [("mma", False), ("mma", True), ("wgmma", False),

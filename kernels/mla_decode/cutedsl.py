@@ -968,6 +968,7 @@ CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
 # fp8: (core, from this B x L on) per padded head count; wgmma below
 FP8_LARGE = {16: ("mma", 128 * 1024), 32: ("swapab", 256 * 1024)}
+HEAD_GROUP_MAX_TOKENS = 64 * 1024   # choose_head_groups: 2 groups up to this B x L (H > 16)
 
 
 def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
@@ -999,14 +1000,16 @@ def _core(core: str | None) -> str:
 
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                  early_kv: bool = False):
+                  early_kv: bool = False, head_groups: int = 1):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad; the swapab core uses h_pad (16 / 32, its
-    wgmma N)."""
+    wgmma N). head_groups > 1: swapab only (plan_call)."""
     core = _core(core)
+    assert head_groups == 1 or core == "swapab", (core, head_groups)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
-        return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv))
+        return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv),
+                                     int(head_groups))
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
@@ -1014,19 +1017,20 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None =
 
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                 dump_dir: str | None = None, early_kv: bool = False):
+                 dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups)
     if dump_dir is not None:
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
-        key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
+        key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
+               int(head_groups))
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
@@ -1077,26 +1081,43 @@ def choose_num_splits(batch: int, max_seq_len: int, heads: int, ctas_per_sm: int
     return max(1, min(wave // max(1, batch), -(-tiles // 2), CombineKernel.max_splits))
 
 
+def choose_head_groups(core: str, batch: int, heads: int, max_seq_len: int | None) -> int:
+    """CTAs per (split, request) that share its heads (swapab only): 2 when a short problem with
+    H > 16 would otherwise run few, long CTAs (B x L <= HEAD_GROUP_MAX_TOKENS), else 1."""
+    if core != "swapab" or heads <= 16 or heads % 2 or max_seq_len is None:
+        return 1
+    return 2 if batch * int(max_seq_len) <= HEAD_GROUP_MAX_TOKENS else 1
+
+
 def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, core: str | None,
-              early_kv: bool, num_splits: int | None = None) -> tuple[str, int]:
-    """(core, num_splits) for one call: `core` None / "auto" asks choose_core (unless
-    PDSERVE_MLA_CORE names one), num_splits None asks choose_num_splits with that core's CTAs per
-    SM. max_seq_len is required when num_splits is None."""
+              early_kv: bool, num_splits: int | None = None,
+              head_groups: int | None = None) -> tuple[str, int, int]:
+    """(core, num_splits, head_groups) for one call: `core` None / "auto" asks choose_core
+    (unless PDSERVE_MLA_CORE names one), head_groups None asks choose_head_groups, num_splits None
+    asks choose_num_splits for the B * head_groups requests of H / head_groups heads the launch
+    sees, with that core's CTAs per SM. max_seq_len is required when num_splits is None."""
     if core is None:
         core = CORE
     if core == "auto":
         core = choose_core(heads, max_seq_len, batch, kv_fp8)
     core = _core(core)
+    if head_groups is None:
+        head_groups = choose_head_groups(core, batch, heads, max_seq_len)
+    if head_groups < 1 or heads % head_groups or (head_groups > 1 and core != "swapab"):
+        raise ValueError(f"head_groups={head_groups} needs the swapab core and to divide "
+                         f"H={heads} (core {core!r})")
     if num_splits is None:
-        per_sm = kernel_config(kv_fp8, h_pad_for(heads), TILE_N, core, early_kv).ctas_per_sm
-        num_splits = choose_num_splits(batch, max_seq_len, heads, per_sm)
-    return core, num_splits
+        hv = heads // head_groups
+        per_sm = kernel_config(kv_fp8, h_pad_for(hv), TILE_N, core, early_kv,
+                               head_groups).ctas_per_sm
+        num_splits = choose_num_splits(batch * head_groups, max_seq_len, hv, per_sm)
+    return core, num_splits, head_groups
 
 
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-    core: str | None = None, early_kv: bool = False, **_ignored,
+    core: str | None = None, early_kv: bool = False, head_groups: int | None = None, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
@@ -1106,7 +1127,8 @@ def mla_decode_cutedsl(
     default "auto" asks choose_core with max_seq_len or, when num_splits is not given either,
     seq_lens.max()). `early_kv` lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when
-    that kernel writes none of them."""
+    that kernel writes none of them. `head_groups` (swapab; default choose_head_groups) splits
+    each request's heads over that many CTAs per split."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -1118,12 +1140,11 @@ def mla_decode_cutedsl(
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     assert fp8 or kv_cache.dtype == torch.bfloat16
-    hp = h_pad_for(H)
     num_pages, page_tokens, _ = kv_cache.shape
     msl = int(max_seq_len) if max_seq_len is not None else None
     if num_splits is None and msl is None:
         msl = int(seq_lens.max().item())
-    core, num_splits = plan_call(B, H, msl, fp8, core, early_kv, num_splits)
+    core, num_splits, groups = plan_call(B, H, msl, fp8, core, early_kv, num_splits, head_groups)
     assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device
@@ -1139,14 +1160,18 @@ def mla_decode_cutedsl(
     for t in (q, kv_cache, out, o_part):
         assert t.data_ptr() % 16 == 0, "16-byte aligned tensors required"
 
-    main = compile_main(fp8, hp, page_tokens, core, early_kv=early_kv)
+    # the main kernel sees B * groups requests of H / groups heads: contiguous views of q, the
+    # outputs and the partials; the combine sees [B, H]
+    Bv, Hv = B * groups, H // groups
+    main = compile_main(fp8, h_pad_for(Hv), page_tokens, core, early_kv=early_kv,
+                        head_groups=groups)
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     kv_dt = cutlass.Float8E4M3FN if fp8 else BFloat16
     main(P(BFloat16, q), P(kv_dt, kv_cache), P(Int32, block_table), P(Int32, seq_lens),
          P(BFloat16, out), P(Float32, lse), P(Float32, o_part), P(Float32, lse_part),
-         Int32(B), Int32(H), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
+         Int32(Bv), Int32(Hv), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
          Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
     if num_splits > 1:
         comb = compile_combine(choose_combine(num_splits))

@@ -198,13 +198,19 @@ class MlaDecodeSwapAbKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32 = the wgmma
     N) and page size (a multiple of 64)."""
 
-    def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False):
+    def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
+                 head_groups: int = 1):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
             raise ValueError(f"page_tokens must be a multiple of {TILE_N}, got {page_tokens}")
         self.kv_fp8 = bool(kv_fp8)
         self.early_kv = early_kv      # as MlaDecodeKernel's: the producer's TMAs before the wait
+        # head_groups G > 1: the launch sees the batch as B * G requests of H / G heads (the
+        # host passes those views of q, the outputs and the partials; all contiguous), so that a
+        # small batch spreads its heads over G CTAs per split; request b of the view reads the
+        # block table and seq_lens row b // G
+        self.head_groups = int(head_groups)
         self.ctas_per_sm = 1
         self.page_tokens = page_tokens
         self.tiles_per_page = page_tokens // TILE_N
@@ -355,6 +361,9 @@ class MlaDecodeSwapAbKernel:
         hp = self.h_pad
         tidx, _, _ = cute.arch.thread_idx()
         split, b, _ = cute.arch.block_idx()
+        breq = b                              # this view request's row of seq_lens / block table
+        if cutlass.const_expr(self.head_groups > 1):
+            breq = b // self.head_groups
         wg = cute.arch.make_warp_uniform(tidx // 128)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         heads = mQ.shape[1]
@@ -366,7 +375,7 @@ class MlaDecodeSwapAbKernel:
         cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(not self.early_kv):
             cute.arch.griddepcontrol_wait()
-        seqlen = mSeq[b]
+        seqlen = mSeq[breq]
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tiles_per_split = (n_tiles + num_splits - 1) // num_splits
         t_begin = split * tiles_per_split
@@ -407,7 +416,7 @@ class MlaDecodeSwapAbKernel:
                         cute.group_modes(sK, 0, 2), cute.group_modes(gKV, 0, 2))
                     for t in cutlass.range(t_begin, t_end, unroll=1):
                         h = producer.acquire_and_advance()
-                        page = mBT[b, t // tpp]
+                        page = mBT[breq, t // tpp]
                         cute.copy(tma_atom, tKg[None, page * tpp + t % tpp],
                                   tKs[None, h.index], tma_bar_ptr=h.barrier)
             else:

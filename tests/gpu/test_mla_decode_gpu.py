@@ -120,6 +120,18 @@ def test_swapab_larger_pages(page_tokens, H, fp8):
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("H", [32, 24, 20])
+@pytest.mark.parametrize("lens,num_splits", [([1], None), ([8192 + 17], None), ([8192 + 17], 3),
+                                             ([1, 2, 63, 64, 65, 129, 4097, 40000], None),
+                                             ([100, 70000], 300)])
+def test_swapab_head_groups(lens, num_splits, H, fp8):
+    """swapab with each request's heads over 2 CTAs per split (the launch sees B * 2 requests of
+    H / 2 heads reading block-table / seq_lens row b // 2): the reference, for every head."""
+    check(lens, H, fp8, core="swapab", head_groups=2, num_splits=num_splits)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("num_splits", [1, 3, 64, 300])
 def test_forced_splits(num_splits, core, fp8):
