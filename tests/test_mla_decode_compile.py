@@ -446,12 +446,14 @@ def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():
 
 
 def test_plan_call_head_groups():
-    # a short H = 32 problem spreads its heads over 2 CTAs per split (swapab only); the splits
-    # then fill the SMs for B * 2 requests
-    assert mc.plan_call(1, 32, 8192, False, "swapab", False) == ("swapab", 64, 2)
-    assert mc.plan_call(8, 32, 8192, False, "swapab", False) == ("swapab", 8, 2)
-    assert mc.plan_call(64, 32, 8192, False, "swapab", False) == ("swapab", 2, 1)
-    assert mc.plan_call(1, 12, 8192, False, "swapab", False) == ("swapab", 64, 1)
+    # short H = 32 problems spread their heads over 2 CTAs per split (swapab only); the splits
+    # then fill the SMs for B * 2 requests (choose_head_groups)
+    assert mc.plan_call(1, 32, 8192, True, "swapab", False) == ("swapab", 64, 2)
+    assert mc.plan_call(8, 32, 8192, True, "swapab", False) == ("swapab", 8, 2)
+    assert mc.plan_call(8, 32, 32768, True, "swapab", False) == ("swapab", 16, 1)
+    assert mc.plan_call(64, 32, 1024, False, "swapab", False) == ("swapab", 1, 2)
+    assert mc.plan_call(1, 32, 8192, False, "swapab", False) == ("swapab", 64, 1)
+    assert mc.plan_call(1, 12, 1024, False, "swapab", False)[2] == 1
     assert mc.plan_call(1, 32, 8192, False, "swapab", False, head_groups=1)[2] == 1
     with pytest.raises(ValueError, match="head_groups=2 needs the swapab core"):
         mc.plan_call(1, 32, 8192, False, "mma", False, head_groups=2)

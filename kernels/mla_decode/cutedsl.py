@@ -968,7 +968,8 @@ CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
 # fp8: (core, from this B x L on) per padded head count; wgmma below
 FP8_LARGE = {16: ("mma", 128 * 1024), 32: ("swapab", 256 * 1024)}
-HEAD_GROUP_MAX_TOKENS = 64 * 1024   # choose_head_groups: 2 groups up to this B x L (H > 16)
+HEAD_GROUP_FP8_MAX_TOKENS = 64 * 1024   # choose_head_groups (H > 16): fp8 up to this B x L,
+HEAD_GROUP_BF16_MAX_SEQ = 2048           # bf16 up to this context length
 
 
 def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
@@ -1081,12 +1082,19 @@ def choose_num_splits(batch: int, max_seq_len: int, heads: int, ctas_per_sm: int
     return max(1, min(wave // max(1, batch), -(-tiles // 2), CombineKernel.max_splits))
 
 
-def choose_head_groups(core: str, batch: int, heads: int, max_seq_len: int | None) -> int:
-    """CTAs per (split, request) that share its heads (swapab only): 2 when a short problem with
-    H > 16 would otherwise run few, long CTAs (B x L <= HEAD_GROUP_MAX_TOKENS), else 1."""
+def choose_head_groups(core: str, batch: int, heads: int, max_seq_len: int | None,
+                       kv_fp8: bool) -> int:
+    """CTAs per (split, request) that share its heads (swapab only): 2 for H > 16 where the H200
+    measured it faster (2026-11-29, H=32, early_kv, us, benchmarks/results/
+    mla_decode_h200_head_groups.json): fp8 up to B x L = 64K (B=1 L=8K 23.1 vs 29.4, B=1 L=32K
+    32.9 vs 43.8, B=8 L=8K 43.4 vs 50.6; B=8 L=32K 111.3 vs 92.9 and B=1 L=128K 67.1 vs 65.6
+    lose), bf16 up to L = 2K (B=1 L=1K 7.4 vs 9.0, B=64 L=1K 28.7 vs 37.5; B=1 L=8K 11.5 vs 11.4,
+    B=8 L=8K 32.4 vs 30.5). Longer contexts lose because the split count per head group halves."""
     if core != "swapab" or heads <= 16 or heads % 2 or max_seq_len is None:
         return 1
-    return 2 if batch * int(max_seq_len) <= HEAD_GROUP_MAX_TOKENS else 1
+    if kv_fp8:
+        return 2 if batch * int(max_seq_len) <= HEAD_GROUP_FP8_MAX_TOKENS else 1
+    return 2 if int(max_seq_len) <= HEAD_GROUP_BF16_MAX_SEQ else 1
 
 
 def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, core: str | None,
@@ -1102,7 +1110,7 @@ def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, cor
         core = choose_core(heads, max_seq_len, batch, kv_fp8)
     core = _core(core)
     if head_groups is None:
-        head_groups = choose_head_groups(core, batch, heads, max_seq_len)
+        head_groups = choose_head_groups(core, batch, heads, max_seq_len, kv_fp8)
     if head_groups < 1 or heads % head_groups or (head_groups > 1 and core != "swapab"):
         raise ValueError(f"head_groups={head_groups} needs the swapab core and to divide "
                          f"H={heads} (core {core!r})")

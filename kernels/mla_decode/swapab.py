@@ -98,14 +98,16 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     offsets in the PTX, a model of the wgmma's swizzled addressing against the TMA layout and
     the Q stores (test_swapab_fp8_fragment_layouts), P^T's order, the V^T fragments against the
     library's wgmma A layout, the split's numerics (test_swapab_fp8_q_split_numerics).
-  Status of the fp8 path: compiles on CPU; UNTESTED ON A GPU (the previous fp8 path, fp16 wgmma
-  with K widened in registers, passed the GPU tests; this one has not run).
 
-Status: compiles to sm_90a on CPU (tests/test_mla_decode_compile.py: wgmma counts, registers and
-no spill stack read from the cubin); the bf16 path and the previous fp8 path passed the H200 GPU
-tests; the fp8 path above (native e4m3 S^T) is UNTESTED ON A GPU. Next steps: overlap
-S of tile t+1 with the softmax / PV of tile t (or two consumer warpgroups ping-ponging tiles), a
-smem-staged vectorized epilogue, stmatrix for P^T.
+head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
+partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
+b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
+instead of one of 32 (H200: fp8 B=1 L=8K 23.1 vs 29.4 us; bf16 B=64 L=1K 28.7 vs 37.5).
+
+Status (H200, 2026-11-29): all MLA GPU tests pass for bf16 and for the fp8 path above (native
+e4m3 S^T), with and without early_kv and head groups. Next steps: overlap S of tile t+1 with
+the softmax / PV of tile t (or two consumer warpgroups ping-ponging tiles), a smem-staged
+vectorized epilogue, stmatrix for P^T.
 """
 from __future__ import annotations
 
