@@ -97,7 +97,8 @@ def query_tensors(q_ptr, bt_ptr, batch, heads, max_pages):
 
 def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_splits):
     """(mO [B, H, 512], mLse [B, H], mOp [S, B, H, 512], mLsep [S, B, H], mSeq [B]): the final and
-    the per-split outputs as both cores write them and the combine reads them."""
+    the per-split outputs as the cores write them and the combine reads them (mSeq None when
+    seq_ptr is: the combine reads no seq_lens)."""
     mO = cute.make_tensor(o_ptr, cute.make_layout(
         (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
     mLse = cute.make_tensor(lse_ptr, cute.make_layout((batch, heads), stride=(heads, 1)))
@@ -107,7 +108,7 @@ def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_
                 cute.assume(heads * D_V, divby=64), D_V, 1)))
     mLsep = cute.make_tensor(lsep_ptr, cute.make_layout(
         (num_splits, batch, heads), stride=(batch * heads, heads, 1)))
-    mSeq = cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
+    mSeq = None if seq_ptr is None else cute.make_tensor(seq_ptr, cute.make_layout((batch,)))
     return mO, mLse, mOp, mLsep, mSeq
 
 
@@ -821,11 +822,12 @@ class CombineKernel:
     """out[b, h] = sum_s w_s O_s / sum_s w_s, w_s = exp(lse_s - max lse); lse = max + ln sum w.
 
     One CTA per (head, request, column chunk): `groups` groups of D_V / 4 / `chunks` threads, each
-    thread 4 output columns of its chunk. The request's non-empty splits are the first
-    ceil(n_tiles / tiles_per_split) (the same split of tiles as the main kernel), so empty ones
-    are never read. LSEs and weights are reduced block-wide through shared memory (every chunk's
-    CTA does it for itself). Group g accumulates splits g, g + groups, ... with UNROLL loads in
-    flight per thread, and the groups' partial sums are added in a fixed order.
+    thread 4 output columns of its chunk. Every split has written its LSE (-inf if empty), only
+    the non-empty ones their partials: a thread loads its first UNROLL partials together with
+    the LSEs (one dependent round trip after the PDL wait; seq_lens is not read), and a split
+    whose weight is 0 contributes nothing through a select. LSEs and weights are reduced
+    block-wide through shared memory (every chunk's CTA does it for itself). Group g accumulates
+    splits g, g + groups, ..., and the groups' partial sums are added in a fixed order.
 
     The combine is latency-bound at small batch (B = 1 has only H CTAs per chunk): with one group
     and 4 loads in flight, 128 splits took ~32 dependent DRAM round trips (~20 us on the H200);
@@ -850,10 +852,9 @@ class CombineKernel:
 
     @cute.jit
     def __call__(self, op_ptr: cute.Pointer, lsep_ptr: cute.Pointer, o_ptr: cute.Pointer,
-                 lse_ptr: cute.Pointer, seq_ptr: cute.Pointer, batch: Int32, heads: Int32,
-                 num_splits: Int32, stream):
-        mO, mLse, mOp, mLsep, mSeq = result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr,
-                                                    batch, heads, num_splits)
+                 lse_ptr: cute.Pointer, batch: Int32, heads: Int32, num_splits: Int32, stream):
+        mO, mLse, mOp, mLsep, _ = result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, None,
+                                                 batch, heads, num_splits)
         nwarps = self.num_threads // 32
         chunk_cols = 4 * self.cols
 
@@ -864,13 +865,13 @@ class CombineKernel:
             sAcc: cute.struct.Align[cute.struct.MemRange[Float32, (self.groups - 1) * chunk_cols
                                                          if self.groups > 1 else 4], 16]
 
-        self.kernel(mOp, mLsep, mO, mLse, mSeq, num_splits, SharedStorage).launch(
+        self.kernel(mOp, mLsep, mO, mLse, num_splits, SharedStorage).launch(
             grid=(heads, batch, self.chunks), block=(self.num_threads, 1, 1), stream=stream,
             use_pdl=True)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLsep: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
-               mSeq: cute.Tensor, num_splits: Int32, SharedStorage: cutlass.Constexpr):
+               num_splits: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         h, b, chunk = cute.arch.block_idx()
         lane = tidx % 32
@@ -883,17 +884,27 @@ class CombineKernel:
         sAcc = storage.sAcc.get_tensor(cute.make_layout((max(1, self.groups - 1), 4 * self.cols),
                                                         stride=(4 * self.cols, 1)))
 
-        # the next kernel in the stream may launch now; everything read here (seq_lens too) is
-        # read after the main kernel completed
+        # the next kernel in the stream may launch now; everything read here is read after the
+        # main kernel completed
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
-        n_tiles = (mSeq[b] + (TILE_N - 1)) // TILE_N
-        tps = (n_tiles + num_splits - 1) // num_splits
-        n_valid = (n_tiles + tps - 1) // tps
+        # Every split wrote its LSE (-inf when it had no tokens) and only the others a partial.
+        # One round trip: this thread's first UNROLL partials (speculatively, also of empty
+        # splits) are loaded together with the LSEs; a split of weight 0 then adds nothing
+        # (a select, never 0 times its possibly unwritten bytes).
+        col = tidx % self.cols                  # 4-column tile within the chunk
+        gcol = chunk * self.cols + col          # 4-column tile within the 512 columns
+        grp = tidx // self.cols
+        pre = cute.make_rmem_tensor(cute.make_layout((4, self.unroll), stride=(1, 4)), Float32)
+        for i in cutlass.range_constexpr(self.unroll):
+            if grp + i * self.groups < num_splits:
+                cute.autovec_copy(
+                    cute.local_tile(mOp[grp + i * self.groups, b, h, None], (4,), (gcol,)),
+                    pre[None, i])
 
-        # block max of the valid LSEs
+        # block max of the LSEs
         m = -Float32.inf
-        for s in cutlass.range(tidx, n_valid, self.num_threads, unroll=1):
+        for s in cutlass.range(tidx, num_splits, self.num_threads, unroll=1):
             l = mLsep[s, b, h]
             sW[s] = l
             m = cute.arch.fmax(m, l)
@@ -905,9 +916,9 @@ class CombineKernel:
         m = sRed[0]
         for w in cutlass.range_constexpr(1, nwarps):
             m = cute.arch.fmax(m, sRed[w])
-        # weights and their block sum
+        # weights (0 for the empty splits) and their block sum
         den = Float32(0.0)
-        for s in cutlass.range(tidx, n_valid, self.num_threads, unroll=1):
+        for s in cutlass.range(tidx, num_splits, self.num_threads, unroll=1):
             w_s = cute.math.exp2((sW[s] - m) * LOG2_E, fastmath=False)
             sW[s] = w_s
             den = den + w_s
@@ -920,14 +931,19 @@ class CombineKernel:
         for w in cutlass.range_constexpr(1, nwarps):
             den = den + sRed[nwarps + w]
 
-        col = tidx % self.cols                  # 4-column tile within the chunk
-        gcol = chunk * self.cols + col          # 4-column tile within the 512 columns
-        grp = tidx // self.cols
         acc = cute.make_rmem_tensor((4,), Float32)
         acc.fill(0.0)
-        for s in cutlass.range(grp, n_valid, self.groups, unroll=self.unroll):
-            part = cute.local_tile(mOp[s, b, h, None], (4,), (gcol,))
-            acc.store(acc.load() + part.load() * sW[s])
+        for i in cutlass.range_constexpr(self.unroll):
+            if grp + i * self.groups < num_splits:
+                w_s = sW[grp + i * self.groups]
+                if w_s > Float32(0.0):
+                    acc.store(acc.load() + pre[None, i].load() * w_s)
+        for s in cutlass.range(grp + self.unroll * self.groups, num_splits, self.groups,
+                               unroll=1):
+            w_s = sW[s]
+            if w_s > Float32(0.0):
+                part = cute.local_tile(mOp[s, b, h, None], (4,), (gcol,))
+                acc.store(acc.load() + part.load() * w_s)
         if grp > 0:
             cute.local_tile(sAcc[grp - 1, None], (4,), (col,)).store(acc.load())
         cute.arch.sync_threads()
@@ -1060,8 +1076,7 @@ def compile_combine(shape: tuple[int, int] = COMBINE_NARROW):
         P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
         k = CombineKernel(*shape)
         _COMPILED[key] = (k, cute.compile(k, P(Float32), P(Float32), P(BFloat16), P(Float32),
-                                          P(Int32), Int32(1), Int32(1), Int32(2),
-                                          make_fake_stream()))
+                                          Int32(1), Int32(1), Int32(2), make_fake_stream()))
     return _COMPILED[key][1]
 
 
@@ -1184,5 +1199,5 @@ def mla_decode_cutedsl(
     if num_splits > 1:
         comb = compile_combine(choose_combine(num_splits))
         comb(P(Float32, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
-             P(Int32, seq_lens), Int32(B), Int32(H), Int32(num_splits), stream)
+             Int32(B), Int32(H), Int32(num_splits), stream)
     return out, lse
