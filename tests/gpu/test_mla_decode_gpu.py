@@ -57,7 +57,7 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None):
 
 def check(lens, H, fp8, page_tokens=PAGE, **kw):
     from pdserve.kernels.mla_decode import mla_decode_reference
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call
     q, cache, bt, seq, kv_scale = make_case(lens, H, fp8, page_tokens)
     B = len(lens)
     out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -72,7 +72,13 @@ def check(lens, H, fp8, page_tokens=PAGE, **kw):
     err = (out.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
     assert err.max() < 1.5e-2, f"max per-request relative error {err.max():.3g} (b={err.argmax()})"
     lerr = (lse.double() - ref_l.double()).abs().max()
-    assert lerr < 5e-3, f"lse max abs error {lerr:.3g}"
+    # swapab's fp8 path computes S on the e4m3 wgmma, whose accumulator keeps ~13 mantissa bits
+    # between its fp32 promotions every 64 dims (swapab.py): logits of |s| ~ 15 then carry
+    # errors of a few 1e-3 (5.4e-3 / 5.9e-3 seen on the H200), the other paths stay < 5e-3
+    core = plan_call(B, H, max(lens), fp8, kw.get("core"), kw.get("early_kv", False),
+                     kw.get("num_splits"), kw.get("head_groups"))[0]
+    ltol = 1e-2 if fp8 and core == "swapab" else 5e-3
+    assert lerr < ltol, f"lse max abs error {lerr:.3g} (core {core}, tolerance {ltol})"
     return float(err.max()), float(lerr)
 
 
