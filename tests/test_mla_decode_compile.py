@@ -11,6 +11,7 @@ operands come straight from the raw fp8 tile (PTX instruction counts, no spill s
 and shared memory for its CTAs per SM).
 """
 import os
+import re
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -120,8 +121,10 @@ def test_swapab_core_refuses_bad_h_pad():
     assert "swapab" in mc.CORES
 
 
-# swapab fp8: (h_pad) -> (stages, smem bytes as kernel_config reports them)
-SWAPAB_FP8 = {16: (5, 209664), 32: (5, 230912)}
+# swapab fp8, two consumer warpgroups (ping-pong, the default): (h_pad) -> (stages, smem bytes
+# as kernel_config reports them); one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1): SWAPAB_FP8_ONE
+SWAPAB_FP8 = {16: (5, 212480), 32: (4, 199680)}
+SWAPAB_FP8_ONE = {16: (5, 209664), 32: (5, 230912)}
 # the wgmma shared-memory descriptor bits (above the start address) of every fp8 S^T operand, as
 # the library encodes them for raw_layout / q8_layout: 64-byte swizzle (bits 62-63 = 2), stride
 # byte offset 512 (bits 32-45, 16-byte units: 8 rows x 64 bytes), leading byte offset 16 (unused
@@ -157,8 +160,11 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     (A = the raw fp8 stage in smem, B = Q_hi / Q_lo in smem, no K conversion); O^T with the fp16
     wgmma, A = V^T widened in registers from the raw bytes; no spill."""
     k = mc.kernel_config(True, h_pad, page_tokens, core="swapab")
+    assert k.consumers == 2 and k.num_threads == 384
     assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
     assert k.smem_bytes <= mc.SMEM_LIMIT and k.tma_bytes == 64 * 576
+    # the merge (consumer 1's O^T fragments + per-head max / sum) fits in the ring
+    assert k.merge_bytes == (128 * 4 * h_pad + 2 * h_pad) * 4 <= k.stages * k.tma_bytes
     fn = mc.compile_main(True, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
     ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert ".target sm_90a" in ptx
@@ -170,7 +176,17 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("wgmma.fence.sync.aligned") == 9 + 4 * (8 // k.pv_group)
     assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 4 * (8 // k.pv_group)
     assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    # one decrease (producer, 24) and one increase (both consumers, 240): 128 x 24 + 256 x 240
     assert ptx.count("setmaxnreg") == 2
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
+    # named barriers: consumer c's own (id 1 + c = its warpgroup index, 128 threads: Q scale,
+    # column maxima, P^T, column sums); id 3 for both (256): Q stored, all tiles consumed, merge
+    # data ready (consumer 0 waits, consumer 1 arrives); id 0 only for the mbarrier init sync
+    bars = [(op, re.sub(r"%r\d+", "%r", arg))
+            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
+    assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
+                                  + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]), bars
     # the S^T operand descriptors: SW64_DESC's fields; B starts (_fp8_s_operand_starts) as
     # 64-bit constants DESC + start / 16; A starts as 32-bit adds to the stage's start field
     assert str(_signed64(SW64_DESC)) in ptx
@@ -190,17 +206,36 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 128 + n_pairs
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32 h,") == n_pairs
     assert ptx.count("prmt.b32") == 64 + n_pairs
-    assert ptx.count("st.shared.v2.b32") == n_pairs // 2
+    # (+ the merge: consumer 1's per-head (max, sum) as pairs of adjacent heads)
+    assert ptx.count("st.shared.v2.b32") == n_pairs // 2 + h_pad // 4
     for st in ("ld.local", "st.local"):
         assert st not in ptx, st
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
-    assert res["regs"] <= 65536 // 256, res
+    assert res["regs"] <= 65536 // 384, res                 # 384 threads must fit at launch
     print(f"swapab fp8 h_pad={h_pad} page={page_tokens}: {res}, smem {k.smem_bytes} B, "
           f"{k.stages} stages")
     # fp8 and bf16 are distinct cached variants
     assert mc.compile_main(True, h_pad, page_tokens, core="swapab") is not \
         mc.compile_main(False, h_pad, page_tokens, core="swapab")
+
+
+@pytest.mark.parametrize("kv_fp8,consumers", [(True, 1), (False, 2)])
+def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
+    """PDSERVE_MLA_SWAPAB_CONSUMERS overrides the consumer warpgroup count (default 2 for fp8, 1
+    for bf16): fp8 with one consumer is the previous single-consumer kernel (256 threads, 5
+    stages), bf16 with two compiles with no spill (opt-in, not the default)."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", str(consumers))
+    k = mc.kernel_config(kv_fp8, 32, 64, core="swapab")
+    assert k.consumers == consumers and k.num_threads == 128 * (1 + consumers)
+    assert k.smem_bytes <= mc.SMEM_LIMIT
+    if kv_fp8:
+        assert (k.stages, k.smem_bytes) == SWAPAB_FP8_ONE[32]
+    fn = mc.compile_main(kv_fp8, 32, 64, core="swapab", dump_dir=str(tmp_path))
+    res = cubin_resources(fn.artifacts.CUBIN)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] * k.num_threads <= 65536, res
+    assert fn.artifacts.PTX.count("setmaxnreg") == 2
 
 
 def _swapab_fp8_fragment_check(out):

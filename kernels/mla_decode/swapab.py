@@ -109,6 +109,8 @@ smem-staged vectorized epilogue, stmatrix for P^T.
 """
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -124,7 +126,8 @@ from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TIL
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-BAR_CONSUMER = 1            # named barrier id of the consumer warpgroup (0 = __syncthreads)
+BAR_CONSUMER = 1            # named barrier id of consumer warpgroup c: BAR_CONSUMER + c (0 = __syncthreads)
+BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q stored, tiles done, merge)
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
@@ -198,7 +201,8 @@ class MlaDecodeSwapAbKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32 = the wgmma
     N) and page size (a multiple of 64)."""
 
-    def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False):
+    def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
+                 consumers: int | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -215,17 +219,30 @@ class MlaDecodeSwapAbKernel:
         self.cdt = Float16 if self.kv_fp8 else BFloat16
         self.qdt = cutlass.Float8E4M3FN if self.kv_fp8 else BFloat16
         self.h_pad = h_pad
-        self.num_threads = 256
+        # consumer warpgroups: 1 = one consumer takes every tile; 2 = ping-pong (consumer c takes
+        # the split's tiles t_begin + c, t_begin + c + 2, ..., the two merged in the epilogue).
+        # Default: 2 for fp8, 1 for bf16; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides (A/B runs)
+        if consumers is None:
+            env = os.environ.get("PDSERVE_MLA_SWAPAB_CONSUMERS", "")
+            consumers = int(env) if env else (2 if self.kv_fp8 else 1)
+        if consumers not in (1, 2):
+            raise ValueError(f"core 'swapab': consumers must be 1 or 2, got {consumers}")
+        self.consumers = consumers
+        self.num_threads = 128 * (1 + consumers)
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
         fixed = (h_pad * D_QK * 2                      # Q
-                 + h_pad * TILE_N * 2                  # P^T
-                 + (2 + 1) * N_WARPS * h_pad * 4       # column maxima (2 buffers) + sums
+                 + consumers * (h_pad * TILE_N * 2     # P^T (one per consumer)
+                                + (2 + 1) * N_WARPS * h_pad * 4)  # column maxima (2 bufs) + sums
                  + 4 * 1024)                           # mbarriers / alignment
         max_stages = MAX_STAGES_FP8 if self.kv_fp8 else MAX_STAGES
         self.stages = min(max_stages, (SMEM_LIMIT - fixed) // per_stage)
         assert self.stages >= 2, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
+        # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
+        # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
+        self.merge_bytes = (128 * 4 * h_pad + 2 * h_pad) * 4 if consumers == 2 else 0
+        assert self.merge_bytes <= self.stages * per_stage
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
         # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
         # while the previous is added); False = one chain of 36 wgmmas into S^T. The fp8 wgmma
@@ -317,14 +334,15 @@ class MlaDecodeSwapAbKernel:
         stages = self.stages
         kvt = self.kv_dtype
         qdt = self.qdt
+        nc = self.consumers           # sMax / sSum / sP: one copy per consumer
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sMax: cute.struct.Align[cute.struct.MemRange[Float32, 2 * N_WARPS * hp], 16]
-            sSum: cute.struct.Align[cute.struct.MemRange[Float32, N_WARPS * hp], 16]
+            sMax: cute.struct.Align[cute.struct.MemRange[Float32, nc * 2 * N_WARPS * hp], 16]
+            sSum: cute.struct.Align[cute.struct.MemRange[Float32, nc * N_WARPS * hp], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[qdt, cute.cosize(sQ_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sP_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[cdt, nc * cute.cosize(sP_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kvt, cute.cosize(sK_layout)], 1024]
 
         # Q: gmem -> smem with cp.async, 16 bytes a copy, the 128 consumer threads
@@ -383,10 +401,27 @@ class MlaDecodeSwapAbKernel:
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            sMax = storage.sMax.get_tensor(cute.make_layout(
-                (2, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))
-            sSum = storage.sSum.get_tensor(cute.make_layout((N_WARPS, hp), stride=(hp, 1)))
+            nc = self.consumers
+            if cutlass.const_expr(nc == 1):
+                cons = 0                      # the consumer's index
+                sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+                sMax = storage.sMax.get_tensor(cute.make_layout(
+                    (2, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))
+                sSum = storage.sSum.get_tensor(cute.make_layout((N_WARPS, hp), stride=(hp, 1)))
+            else:
+                # consumer cons = wg - 1 (the producer warpgroup never touches these)
+                cons = wg - 1
+                sP_all_layout = cute.tile_to_shape(
+                    warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                    self.cdt),
+                    (hp, TILE_N, nc), (0, 1, 2))
+                sP = storage.sP.get_tensor(sP_all_layout.outer,
+                                           swizzle=sP_all_layout.inner)[None, None, cons]
+                sMax = storage.sMax.get_tensor(cute.make_layout(
+                    (nc, 2, N_WARPS, hp),
+                    stride=(2 * N_WARPS * hp, N_WARPS * hp, hp, 1)))[cons, None, None, None]
+                sSum = storage.sSum.get_tensor(cute.make_layout(
+                    (nc, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))[cons, None, None]
 
             producer, consumer = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
@@ -413,7 +448,15 @@ class MlaDecodeSwapAbKernel:
             else:
                 # ---------------- consumer ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                wtid = tidx - 128             # 0..127
+                if cutlass.const_expr(nc == 1):
+                    bar = BAR_CONSUMER        # its 128-thread named barrier
+                    wtid = tidx - 128         # 0..127
+                else:
+                    # two consumers (ping-pong): warpgroup 1 + cons takes the split's tiles
+                    # t_begin + cons + 2 i, with its own P^T, column maxima / sums and barrier
+                    # (sP, sMax, sSum: this consumer's copies, made above)
+                    bar = BAR_CONSUMER + cons
+                    wtid = tidx - 128 * wg
                 cwarp = wtid // 32            # 0..3: token rows [16 cwarp, +16) of S^T
                 lane = wtid % 32
 
@@ -443,25 +486,44 @@ class MlaDecodeSwapAbKernel:
                     for off in (1, 2, 4, 8, 16):
                         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(
                             amax, offset=off, mask=-1, mask_and_clamp=31))
+                    # (two consumers: both compute amax and s from the same Q with the same
+                    # operations, so both get the same s bit for bit; consumer 0 alone stores
+                    # Q_hi / Q_lo)
                     if lane == 0:
                         sMax[0, cwarp, 0] = amax
-                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
                     for w in cutlass.range_constexpr(N_WARPS):
                         amax = cute.arch.fmax(amax, sMax[0, w, 0])
                     q_scale = _pow2_scale(amax)
-                    self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
+                    if cutlass.const_expr(nc == 1):
+                        self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
+                    else:
+                        if cons == 0:
+                            self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
                     scale_s = scale_log2 * _pow2_inv(q_scale)
                 else:
                     scale_s = scale_log2
-                    for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
-                        if tQc[0, m, 0][0] < heads:
-                            cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
-                        else:
-                            tQs[None, m, None].fill(0)
+                    if cutlass.const_expr(nc == 1):
+                        for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+                            if tQc[0, m, 0][0] < heads:
+                                cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
+                            else:
+                                tQs[None, m, None].fill(0)
+                    else:
+                        if cons == 0:             # consumer 0 alone stores Q
+                            for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+                                if tQc[0, m, 0][0] < heads:
+                                    cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
+                                else:
+                                    tQs[None, m, None].fill(0)
                     cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                if cutlass.const_expr(nc == 1):
+                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                else:
+                    # Q stored (consumer 0) before either consumer's first S^T wgmma
+                    cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
 
                 thr_qk = qk_mma.get_slice(wtid)
                 thr_pv = pv_mma.get_slice(wtid)
@@ -515,10 +577,20 @@ class MlaDecodeSwapAbKernel:
                     acc_T = [thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
                              for _ in range(2 if self.qk_promote else 0)]
 
-                for t in cutlass.range(t_begin, t_end, unroll=1):
-                    h = consumer.wait_and_advance()
+                if cutlass.const_expr(nc == 2):
+                    # one ring in tile order (tile t_begin + i in stage i % stages, phase
+                    # (i // stages) % 2); consumer c waits on i = c, c + 2, ...: its state starts
+                    # c stages in and moves 2 a tile (the other consumer's stage in between)
+                    consumer.advance(cons)
+                for t in cutlass.range(t_begin + cons, t_end, nc, unroll=1):
+                    if cutlass.const_expr(nc == 1):
+                        h = consumer.wait_and_advance()
+                        buf = (t - t_begin) % 2
+                    else:
+                        h = consumer.wait()
+                        consumer.advance(2)
+                        buf = ((t - t_begin) // 2) % 2     # this consumer's tile count % 2
                     kstage = h.index
-                    buf = (t - t_begin) % 2
                     last = (t + 1) * TILE_N > seqlen
                     if cutlass.const_expr(self.kv_fp8):
                         # S^T = K (Q_hi + Q_lo)^T, fp8 wgmma with A = the stage in smem
@@ -534,7 +606,7 @@ class MlaDecodeSwapAbKernel:
                                 for j in cutlass.range_constexpr(4):
                                     sKz[r, 4 * wtid + j] = BFloat16(0.0)
                             cute.arch.fence_proxy("async.shared", space="cta")
-                            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                            cute.arch.barrier(barrier_id=bar, number_of_threads=128)
 
                         # S^T = K Q^T
                         warpgroup.fence()
@@ -559,7 +631,7 @@ class MlaDecodeSwapAbKernel:
                         mx = self._col_max(mx)
                         if lane < 4:
                             sMax[buf, cwarp, tScS_mn[0, c][1]] = mx
-                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
 
                     for c in cutlass.range_constexpr(n_cols):
                         col = tScS_mn[0, c][1]
@@ -580,7 +652,7 @@ class MlaDecodeSwapAbKernel:
                     for i in cutlass.range_constexpr(cute.size(rP)):
                         tSsP[i] = rP[i]
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
 
                     # O^T += V^T P^T
                     if cutlass.const_expr(self.kv_fp8):
@@ -603,16 +675,24 @@ class MlaDecodeSwapAbKernel:
                     s = self._col_sum(col_sum[c])
                     if lane < 4:
                         sSum[cwarp, tScS_mn[0, c][1]] = s
-                cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=128)
                 lse_c = cute.make_rmem_tensor((n_cols,), Float32)
-                for c in cutlass.range_constexpr(n_cols):
-                    col = tScS_mn[0, c][1]
-                    total = sSum[0, col]
-                    for w in cutlass.range_constexpr(1, N_WARPS):
-                        total = total + sSum[w, col]
-                    acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / total)
-                    lse_c[c] = (col_max[c] * scale_s
-                                + cute.math.log2(total, fastmath=False)) * LN_2
+                if cutlass.const_expr(nc == 1):
+                    heads_w = heads           # heads this consumer writes
+                    for c in cutlass.range_constexpr(n_cols):
+                        col = tScS_mn[0, c][1]
+                        total = sSum[0, col]
+                        for w in cutlass.range_constexpr(1, N_WARPS):
+                            total = total + sSum[w, col]
+                        acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / total)
+                        lse_c[c] = (col_max[c] * scale_s
+                                    + cute.math.log2(total, fastmath=False)) * LN_2
+                else:
+                    self._merge_consumers(cons, sK.iterator.toint(), acc_O_mn, col_max, tScS_mn,
+                                          sSum, lse_c, wtid, cwarp, lane, scale_s, out_scale)
+                    # consumer 0 writes the merged result; consumer 1's stores are all off
+                    heads_w = cutlass.select_(cons == 0, heads, Int32(0))
+                    col = Int32(0)            # (assigned in the dynamic ifs below)
 
                 # O^T [d, h] -> out[b, h, d]: the output rows seen transposed
                 tOcO = thr_pv.partition_C(cute.make_identity_tensor((D_V, hp)))
@@ -628,24 +708,81 @@ class MlaDecodeSwapAbKernel:
                     rO = cute.make_fragment_like(acc_O, BFloat16)
                     rO.store(acc_O.load().to(BFloat16))
                     for i in cutlass.range_constexpr(cute.size(rO)):
-                        if tOcO[i][1] < heads:
+                        if tOcO[i][1] < heads_w:
                             tOgO[i] = rO[i]
                     if cwarp == 0 and lane < 4:
                         for c in cutlass.range_constexpr(n_cols):
                             col = tScS_mn[0, c][1]
-                            if col < heads:
+                            if col < heads_w:
                                 mLse[b, col] = lse_c[c]
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     tOgOp = thr_pv.partition_C(gOpt)
                     for i in cutlass.range_constexpr(cute.size(acc_O)):
-                        if tOcO[i][1] < heads:
+                        if tOcO[i][1] < heads_w:
                             tOgOp[i] = acc_O[i]
                     if cwarp == 0 and lane < 4:
                         for c in cutlass.range_constexpr(n_cols):
                             col = tScS_mn[0, c][1]
-                            if col < heads:
+                            if col < heads_w:
                                 mLsep[split, b, col] = lse_c[c]
+
+    @cute.jit
+    def _merge_consumers(self, cons, ring_addr, acc_O_mn, col_max, tScS_mn, sSum, lse_c, wtid,
+                         cwarp, lane, scale_s, out_scale):
+        """Two consumers, epilogue (both warpgroups call it, each with its own state; its
+        sSum rows hold its per-warp column sums): consumer 1 hands its O^T fragments and per-head
+        (max, sum) to consumer 0 through the ring, consumer 0 merges them into its own, exactly:
+        m = max(m0, m1), f_c = 2^((m_c - m) scale_s), O = O0 f0 + O1 f1, l = l0 f0 + l1 f1, then
+        normalizes (out_scale / l) and sets lse_c = (m scale_s + log2 l) ln 2. A consumer that had
+        no tile (split of 1 tile) has m1 = -inf, l1 = 0, O1 = 0: f1 = 0 (selected, never NaN).
+        Consumer 0 always had a tile (t_begin < t_end) whose token 0 is valid: m0 finite."""
+        hp = self.h_pad
+        n_orows = cute.size(acc_O_mn.shape[0])      # 16 latent dims
+        n_cols = cute.size(acc_O_mn.shape[1])       # hp / 4 heads
+        tot = cute.make_rmem_tensor((n_cols,), Float32)
+        for c in cutlass.range_constexpr(n_cols):
+            col = tScS_mn[0, c][1]
+            total = sSum[0, col]
+            for w in cutlass.range_constexpr(1, N_WARPS):
+                total = total + sSum[w, col]
+            tot[c] = total
+        # both consumers past their last tile: every TMA of the split has landed (each full
+        # barrier was waited on) and every wgmma reading the ring has retired, so the ring is
+        # free: consumer 1's O^T at float (r + 16 c) 128 + wtid (conflict free), then its
+        # (max, sum) per head
+        cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
+        mptr = cute.make_ptr(Float32, ring_addr, cute.AddressSpace.smem, assumed_align=16)
+        sO1 = cute.make_tensor(mptr, cute.make_layout((n_orows, n_cols, 128),
+                                                      stride=(128, 128 * n_orows, 1)))
+        sL1 = cute.make_tensor(mptr + 128 * n_orows * n_cols,
+                               cute.make_layout((2, hp), stride=(hp, 1)))
+        if cons == 1:
+            for c in cutlass.range_constexpr(n_cols):
+                for r in cutlass.range_constexpr(n_orows):
+                    sO1[r, c, wtid] = acc_O_mn[r, c]
+            if cwarp == 0 and lane < 4:
+                for c in cutlass.range_constexpr(n_cols):
+                    hcol = tScS_mn[0, c][1]
+                    sL1[0, hcol] = col_max[c]
+                    sL1[1, hcol] = tot[c]
+            cute.arch.barrier_arrive(barrier_id=BAR_BOTH, number_of_threads=256)
+        else:
+            cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
+            for c in cutlass.range_constexpr(n_cols):
+                mcol = tScS_mn[0, c][1]
+                m1 = sL1[0, mcol]
+                l1 = sL1[1, mcol]
+                m = cute.arch.fmax(col_max[c], m1)
+                f0 = cute.math.exp2((col_max[c] - m) * scale_s, fastmath=True)
+                f1 = cutlass.select_(l1 > Float32(0.0),
+                                     cute.math.exp2((m1 - m) * scale_s, fastmath=True),
+                                     Float32(0.0))
+                lsum = tot[c] * f0 + l1 * f1
+                for r in cutlass.range_constexpr(n_orows):
+                    acc_O_mn[r, c] = acc_O_mn[r, c] * f0 + sO1[r, c, wtid] * f1
+                acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / lsum)
+                lse_c[c] = (m * scale_s + cute.math.log2(lsum, fastmath=False)) * LN_2
 
     # ------------------------------------------------------------------------------------------
     # fp8 path: register A operands from the raw fp8 tile
