@@ -238,6 +238,67 @@ def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
     assert fn.artifacts.PTX.count("setmaxnreg") == 2
 
 
+@pytest.mark.parametrize("h_pad", [16, 32])
+def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
+    """PDSERVE_MLA_SWAPAB_ORDER=1 (two consumers): the S^T phases in tile order through named
+    barriers 4 + c: one bar.sync (id in a register, 256 threads) before S^T and one bar.arrive
+    after it, per tile; no spill."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "1")
+    k = mc.kernel_config(True, h_pad, 64, core="swapab")
+    assert k.consumers == 2 and k.ordered and k.num_threads == 384
+    fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path))
+    ptx = fn.artifacts.PTX
+    bars = [(op, re.sub(r"%r\d+", "%r", arg))
+            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
+    assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
+                                  + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]
+                                  + [("sync", "%r, 256"), ("arrive", "%r, 256")]), bars
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    res = cubin_resources(fn.artifacts.CUBIN)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] <= 65536 // 384, res
+
+
+def test_swapab_two_consumer_merge_model():
+    """CPU mirror (torch) of the two-consumer split: consumer c runs the online softmax (base 2,
+    scale s) over the tiles t_begin + c + 2 i, _merge_consumers' formula merges the two; equal to
+    the softmax over all tiles, for 1 (consumer 1 empty: m1 = -inf, l1 = 0), 2, odd and even tile
+    counts, with no NaN."""
+    import math
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    s = 0.09 * math.log2(math.e)
+    for n_tok in (1, 5, 64, 65, 128, 130, 200, 257, 640):
+        x = torch.randn(n_tok, 3, generator=g, dtype=torch.float64) * 8       # scores [tok, h]
+        v = torch.randn(n_tok, 4, generator=g, dtype=torch.float64)           # values [tok, d]
+        n_tiles = -(-n_tok // 64)
+        st = []
+        for c in range(2):
+            m = torch.full((3,), -math.inf, dtype=torch.float64)
+            l = torch.zeros(3, dtype=torch.float64)
+            o = torch.zeros(3, 4, dtype=torch.float64)
+            for t in range(c, n_tiles, 2):
+                xs = x[64 * t:64 * t + 64]
+                m_new = torch.maximum(m, xs.max(0).values)
+                f = torch.exp2((m - m_new) * s)
+                p = torch.exp2(xs * s - m_new * s)
+                l = l * f + p.sum(0)
+                o = o * f[:, None] + p.t() @ v[64 * t:64 * t + 64]
+                m = m_new
+            st.append((m, l, o))
+        (m0, l0, o0), (m1, l1, o1) = st
+        m = torch.maximum(m0, m1)
+        f0 = torch.exp2((m0 - m) * s)
+        f1 = torch.where(l1 > 0, torch.exp2((m1 - m) * s), torch.zeros_like(l1))
+        lsum = l0 * f0 + l1 * f1
+        out = (o0 * f0[:, None] + o1 * f1[:, None]) / lsum[:, None]
+        lse = (m * s + torch.log2(lsum)) * math.log(2)
+        ref = torch.softmax(x * 0.09, 0)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert torch.allclose(out, ref.t() @ v, atol=1e-12), n_tok
+        assert torch.allclose(lse, torch.logsumexp(x * 0.09, 0), atol=1e-12), n_tok
+
+
 def _swapab_fp8_fragment_check(out):
     """Runs inside a cute.jit trace (static layouts evaluate to ints): the fp8 swapab operands.
     S^T: the wgmma hardware addressing (_wgmma_sw64_kmajor, with the kernel's descriptor fields

@@ -1026,9 +1026,10 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
-        # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default)
+        # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
+        # ordered: PDSERVE_MLA_SWAPAB_ORDER)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               k.consumers)
+               k.consumers, k.ordered)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:

@@ -14,7 +14,8 @@ padded to 64) and the tokens / latent dims are M:
 
   * warpgroup 0, warp 0 = TMA producer, as in wgmma.py: per tile one TMA (128-byte swizzle) of the
     [64, 576] tile into a 2-stage ring (`pipeline.PipelineTmaAsync`), setmaxnreg 24.
-  * warpgroup 1 = the single consumer (setmaxnreg 240):
+  * warpgroup 1 = the single consumer (setmaxnreg 240; the fp8 path has two consumer warpgroups
+    by default, see "two consumer warpgroups" below):
       - Q [h_pad, 576] loaded once into smem (cp.async; rows >= H zero), K-major, 128-byte swizzle.
       - S^T [64 tokens, N] = K Q^T: 36 wgmma m64nNk16, A = the K tile in smem (K-major, the bytes
         TMA wrote), B = Q in smem (K-major). fp32, N / 2 registers per thread.
@@ -91,20 +92,72 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     2 cvt.rn.satfinite.e4m3x2.f32 + 1 cvt.rn.f16x2.e4m3x2), 9 h_pad / 8 pairs of 8-byte
     st.shared. The stage is released (sync_warp + one arrive per warp) once the last V words
     have been converted (S^T's smem reads retired earlier), before the last PV group retires.
-  * registers (cubin, CPU build): 240 at launch, no spill stack, h_pad 16 and 32. smem
-    (kernel_config.smem_bytes, 4 KB slack): 230,912 B at h_pad 32, 209,664 B at h_pad 16
-    (5 x 36 KB ring + Q_hi/Q_lo 36 / 18 KB + P^T 4 / 2 KB + stats), as before.
+  * one consumer: registers (cubin, CPU build): 240 at launch, no spill stack, h_pad 16 and 32.
+    smem (kernel_config.smem_bytes, 4 KB slack): 230,912 B at h_pad 32, 209,664 B at h_pad 16
+    (5 x 36 KB ring + Q_hi/Q_lo 36 / 18 KB + P^T 4 / 2 KB + stats). Two consumers: below.
   * checked on the CPU (tests/test_mla_decode_compile.py): the descriptor fields and start
     offsets in the PTX, a model of the wgmma's swizzled addressing against the TMA layout and
     the Q stores (test_swapab_fp8_fragment_layouts), P^T's order, the V^T fragments against the
     library's wgmma A layout, the split's numerics (test_swapab_fp8_q_split_numerics).
-  Status of the fp8 path: compiles on CPU; UNTESTED ON A GPU (the previous fp8 path, fp16 wgmma
-  with K widened in registers, passed the GPU tests; this one has not run).
+  Status of this fp8 path with one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1, PTX byte-identical
+  to the version that ran): passed all MLA GPU tests on the H200 (fp8 H=12 B=64 L=128K 77 %,
+  H=32 60 % of the copy floor; ~1.86 us per 64-token tile at H=32, everything serial in the one
+  consumer).
+
+Two consumer warpgroups ("ping-pong", `consumers` = 2: the default for fp8; bf16 keeps 1, its PTX
+unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs):
+  * 384 threads: warpgroup 0 = producer (setmaxnreg 24), warpgroups 1 and 2 = consumers 0 and 1
+    (setmaxnreg 240; 128 x 24 + 256 x 240 = 64,512 <= 65,536 registers; 168 at launch).
+    Consumer c takes the split's tiles t_begin + c, t_begin + c + 2, ..., each with its own
+    online-softmax state (column max / sums), O^T accumulator, P^T buffer, column-max (2 buffers)
+    and column-sum smem, and named barrier (id 1 + c, 128 threads). Id 3 (256 threads, both
+    consumers): Q stored, every tile consumed, merge data ready. Id 0: only the CTA sync of the
+    mbarrier init.
+  * one TMA ring in tile order (the producer is unchanged): tile t_begin + i in stage
+    i % stages, full-barrier phase (i // stages) % 2. Consumer c's pipeline state starts
+    advanced by c and moves by 2 per tile (wait, then advance(2)), so it waits on exactly the
+    stage / phase of each of its own tiles and skips the other's. Each stage fill is consumed
+    and released by one warpgroup (4 warps, one arrive each: the consumer arrive count stays 4).
+    A stage's full barrier cannot run a phase ahead of its owner: its next fill needs the
+    owner's release first. No deadlock: within the tile loop the consumers never wait on each
+    other, and the lowest unconsumed tile's owner waits only on TMAs that need releases of lower
+    tiles.
+  * Q: both consumers read Q and compute max|q| -> s with the same operations (same s bit for
+    bit; each its own scale_s); consumer 0 alone stores Q_hi / Q_lo (bf16: the cp.async), then
+    fence.proxy.async and barrier 3 before either consumer's first wgmma.
+  * epilogue (_merge_consumers): each consumer reduces its column sums (own barrier); barrier 3
+    (both past their last tile: every TMA of the split has landed -- each full barrier was
+    waited on -- and every wgmma reading the ring retired), so the ring is free; consumer 1
+    stores its O^T fragments (float (r + 16 c) 128 + thread, conflict free, 64 / 32 KB at
+    h_pad 32 / 16) and per-head (max, sum) into stage 0.., arrives on barrier 3; consumer 0
+    syncs on it and merges exactly: m = max(m0, m1), f_c = 2^((m_c - m) scale_s),
+    O = O0 f0 + O1 f1, l = l0 f0 + l1 f1 (f1 selected 0 when l1 = 0: a consumer with no tile,
+    in a 1-tile split, has m1 = -inf, l1 = 0, O1 = 0 and contributes nothing, no NaN; consumer 0
+    always has a tile whose token 0 is valid, so m0 is finite), then normalizes and writes once
+    through the existing output / partial code. Consumer 1 runs that code too with every store
+    predicated off (heads_w = 0).
+  * optional order (PDSERVE_MLA_SWAPAB_ORDER=1, fp8; off by default): FA3-style handshake on
+    named barriers 4 + c (256 threads): tile t's S^T wgmmas start after tile t - 1's retired
+    (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
+    consumer's softmax / P^T / V conversion runs under the other's S^T. Default: the two run
+    free, relying on the scheduler.
+  * smem (kernel_config.smem_bytes): fp8 199,680 B at h_pad 32 (4 x 36 KB stages: the fifth no
+    longer fits next to a second P^T + stats), 212,480 B at h_pad 16 (5 stages); bf16 with 2
+    consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages).
+  * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
+    32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers.
+  * per tile and consumer the instruction stream is the single consumer's (same wgmma / cvt /
+    ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
+    (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
+  Status of the two-consumer path: compiles on CPU (tests/test_mla_decode_compile.py: thread
+  count, setmaxnreg values, named barrier ids and counts, wgmma counts, no spill; a torch model
+  of the alternate-tile split + merge, test_swapab_two_consumer_merge_model); UNTESTED ON A GPU.
+  GPU coverage: every fp8 swapab GPU test runs it (default), test_swapab_consumer_variants also
+  runs fp8 with 1 consumer, 2 ordered, 2 free, and bf16 with 2.
 
 Status: compiles to sm_90a on CPU (tests/test_mla_decode_compile.py: wgmma counts, registers and
-no spill stack read from the cubin); the bf16 path and the previous fp8 path passed the H200 GPU
-tests; the fp8 path above (native e4m3 S^T) is UNTESTED ON A GPU. Next steps: overlap
-S of tile t+1 with the softmax / PV of tile t (or two consumer warpgroups ping-ponging tiles), a
+no spill stack read from the cubin); the bf16 path and the single-consumer fp8 path passed the
+H200 GPU tests; the two-consumer fp8 path (the fp8 default) is UNTESTED ON A GPU. Next steps: a
 smem-staged vectorized epilogue, stmatrix for P^T.
 """
 from __future__ import annotations
@@ -128,6 +181,7 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 BAR_CONSUMER = 1            # named barrier id of consumer warpgroup c: BAR_CONSUMER + c (0 = __syncthreads)
 BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q stored, tiles done, merge)
+BAR_ORDER = 4               # two consumers, ordered S^T (opt-in): consumer c waits on id 4 + c
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
@@ -228,6 +282,11 @@ class MlaDecodeSwapAbKernel:
         if consumers not in (1, 2):
             raise ValueError(f"core 'swapab': consumers must be 1 or 2, got {consumers}")
         self.consumers = consumers
+        # two consumers: order the S^T phases in tile order (FA3-style named-barrier handshake:
+        # tile t's S^T wgmmas start once tile t - 1's (the other consumer's) have retired, so
+        # one consumer's softmax / P^T / V conversion runs under the other's S^T). Opt-in
+        # (PDSERVE_MLA_SWAPAB_ORDER=1); default: the two run free
+        self.ordered = consumers == 2 and os.environ.get("PDSERVE_MLA_SWAPAB_ORDER", "0") == "1"
         self.num_threads = 128 * (1 + consumers)
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
         fixed = (h_pad * D_QK * 2                      # Q
@@ -597,7 +656,18 @@ class MlaDecodeSwapAbKernel:
                         # (_fp8_qk; retired when it returns); V rows past the end are zeroed in
                         # registers in PV, K rows past the end only reach masked S^T rows
                         soff = kstage * (TILE_N * D_QK)
+                        if cutlass.const_expr(self.ordered):
+                            # after tile t - 1's S^T (the other consumer's): one arrive per
+                            # tile t - 1 >= t_begin, one wait per tile t > t_begin, so the
+                            # counts match for any tile count
+                            if t > t_begin:
+                                cute.arch.barrier(barrier_id=BAR_ORDER + cons,
+                                                  number_of_threads=256)
                         self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
+                        if cutlass.const_expr(self.ordered):
+                            if t + 1 < t_end:
+                                cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cons,
+                                                         number_of_threads=256)
                     else:
                         if last:
                             # zero the V rows past the end (4 of the 512 columns per thread)
