@@ -145,7 +145,13 @@ unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs)
     longer fits next to a second P^T + stats), 212,480 B at h_pad 16 (5 stages); bf16 with 2
     consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages).
   * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
-    32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers.
+    32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers; the SASS
+    (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
+    LDL / STL.
+  * ring depth at h_pad 32: with each consumer holding one stage while it computes, 2 of the 4
+    stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage would
+    need sSum aliased onto sMax (safe: the last tile's sMax reads precede its P^T barrier) and
+    then comes to exactly 232,448 B = SMEM_LIMIT -- not done.
   * per tile and consumer the instruction stream is the single consumer's (same wgmma / cvt /
     ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
     (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
@@ -157,8 +163,9 @@ unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs)
 
 Status: compiles to sm_90a on CPU (tests/test_mla_decode_compile.py: wgmma counts, registers and
 no spill stack read from the cubin); the bf16 path and the single-consumer fp8 path passed the
-H200 GPU tests; the two-consumer fp8 path (the fp8 default) is UNTESTED ON A GPU. Next steps: a
-smem-staged vectorized epilogue, stmatrix for P^T.
+H200 GPU tests; the two-consumer fp8 path (the fp8 default) is UNTESTED ON A GPU. Next steps: A/B
+PDSERVE_MLA_SWAPAB_CONSUMERS=1 / 2 and PDSERVE_MLA_SWAPAB_ORDER=0 / 1 on the H200, a fifth
+fp8 stage at h_pad 32 (above), a smem-staged vectorized epilogue, stmatrix for P^T.
 """
 from __future__ import annotations
 
