@@ -11,6 +11,7 @@ operands come straight from the raw fp8 tile (PTX instruction counts, no spill s
 and shared memory for its CTAs per SM).
 """
 import os
+import re
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -120,8 +121,10 @@ def test_swapab_core_refuses_bad_h_pad():
     assert "swapab" in mc.CORES
 
 
-# swapab fp8: (h_pad) -> (stages, smem bytes as kernel_config reports them)
-SWAPAB_FP8 = {16: (5, 209664), 32: (5, 230912)}
+# swapab fp8, two consumer warpgroups (ping-pong, the default): (h_pad) -> (stages, smem bytes
+# as kernel_config reports them); one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1): SWAPAB_FP8_ONE
+SWAPAB_FP8 = {16: (5, 212480), 32: (4, 199680)}
+SWAPAB_FP8_ONE = {16: (5, 209664), 32: (5, 230912)}
 # the wgmma shared-memory descriptor bits (above the start address) of every fp8 S^T operand, as
 # the library encodes them for raw_layout / q8_layout: 64-byte swizzle (bits 62-63 = 2), stride
 # byte offset 512 (bits 32-45, 16-byte units: 8 rows x 64 bytes), leading byte offset 16 (unused
@@ -157,8 +160,11 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     (A = the raw fp8 stage in smem, B = Q_hi / Q_lo in smem, no K conversion); O^T with the fp16
     wgmma, A = V^T widened in registers from the raw bytes; no spill."""
     k = mc.kernel_config(True, h_pad, page_tokens, core="swapab")
+    assert k.consumers == 2 and k.num_threads == 384
     assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
     assert k.smem_bytes <= mc.SMEM_LIMIT and k.tma_bytes == 64 * 576
+    # the merge (consumer 1's O^T fragments + per-head max / sum) fits in the ring
+    assert k.merge_bytes == (128 * 4 * h_pad + 2 * h_pad) * 4 <= k.stages * k.tma_bytes
     fn = mc.compile_main(True, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
     ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert ".target sm_90a" in ptx
@@ -170,7 +176,17 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("wgmma.fence.sync.aligned") == 9 + 4 * (8 // k.pv_group)
     assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 4 * (8 // k.pv_group)
     assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    # one decrease (producer, 24) and one increase (both consumers, 240): 128 x 24 + 256 x 240
     assert ptx.count("setmaxnreg") == 2
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
+    # named barriers: consumer c's own (id 1 + c = its warpgroup index, 128 threads: Q scale,
+    # column maxima, P^T, column sums); id 3 for both (256): Q stored, all tiles consumed, merge
+    # data ready (consumer 0 waits, consumer 1 arrives); id 0 only for the mbarrier init sync
+    bars = [(op, re.sub(r"%r\d+", "%r", arg))
+            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
+    assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
+                                  + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]), bars
     # the S^T operand descriptors: SW64_DESC's fields; B starts (_fp8_s_operand_starts) as
     # 64-bit constants DESC + start / 16; A starts as 32-bit adds to the stage's start field
     assert str(_signed64(SW64_DESC)) in ptx
@@ -190,17 +206,97 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 128 + n_pairs
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32 h,") == n_pairs
     assert ptx.count("prmt.b32") == 64 + n_pairs
-    assert ptx.count("st.shared.v2.b32") == n_pairs // 2
+    # (+ the merge: consumer 1's per-head (max, sum) as pairs of adjacent heads)
+    assert ptx.count("st.shared.v2.b32") == n_pairs // 2 + h_pad // 4
     for st in ("ld.local", "st.local"):
         assert st not in ptx, st
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
-    assert res["regs"] <= 65536 // 256, res
+    assert res["regs"] <= 65536 // 384, res                 # 384 threads must fit at launch
     print(f"swapab fp8 h_pad={h_pad} page={page_tokens}: {res}, smem {k.smem_bytes} B, "
           f"{k.stages} stages")
     # fp8 and bf16 are distinct cached variants
     assert mc.compile_main(True, h_pad, page_tokens, core="swapab") is not \
         mc.compile_main(False, h_pad, page_tokens, core="swapab")
+
+
+@pytest.mark.parametrize("kv_fp8,consumers", [(True, 1), (False, 2)])
+def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
+    """PDSERVE_MLA_SWAPAB_CONSUMERS overrides the consumer warpgroup count (default 2 for fp8, 1
+    for bf16): fp8 with one consumer is the previous single-consumer kernel (256 threads, 5
+    stages), bf16 with two compiles with no spill (opt-in, not the default)."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", str(consumers))
+    k = mc.kernel_config(kv_fp8, 32, 64, core="swapab")
+    assert k.consumers == consumers and k.num_threads == 128 * (1 + consumers)
+    assert k.smem_bytes <= mc.SMEM_LIMIT
+    if kv_fp8:
+        assert (k.stages, k.smem_bytes) == SWAPAB_FP8_ONE[32]
+    fn = mc.compile_main(kv_fp8, 32, 64, core="swapab", dump_dir=str(tmp_path))
+    res = cubin_resources(fn.artifacts.CUBIN)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] * k.num_threads <= 65536, res
+    assert fn.artifacts.PTX.count("setmaxnreg") == 2
+
+
+@pytest.mark.parametrize("h_pad", [16, 32])
+def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
+    """PDSERVE_MLA_SWAPAB_ORDER=1 (two consumers): the S^T phases in tile order through named
+    barriers 4 + c: one bar.sync (id in a register, 256 threads) before S^T and one bar.arrive
+    after it, per tile; no spill."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "1")
+    k = mc.kernel_config(True, h_pad, 64, core="swapab")
+    assert k.consumers == 2 and k.ordered and k.num_threads == 384
+    fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path))
+    ptx = fn.artifacts.PTX
+    bars = [(op, re.sub(r"%r\d+", "%r", arg))
+            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
+    assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
+                                  + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]
+                                  + [("sync", "%r, 256"), ("arrive", "%r, 256")]), bars
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    res = cubin_resources(fn.artifacts.CUBIN)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] <= 65536 // 384, res
+
+
+def test_swapab_two_consumer_merge_model():
+    """CPU mirror (torch) of the two-consumer split: consumer c runs the online softmax (base 2,
+    scale s) over the tiles t_begin + c + 2 i, _merge_consumers' formula merges the two; equal to
+    the softmax over all tiles, for 1 (consumer 1 empty: m1 = -inf, l1 = 0), 2, odd and even tile
+    counts, with no NaN."""
+    import math
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    s = 0.09 * math.log2(math.e)
+    for n_tok in (1, 5, 64, 65, 128, 130, 200, 257, 640):
+        x = torch.randn(n_tok, 3, generator=g, dtype=torch.float64) * 8       # scores [tok, h]
+        v = torch.randn(n_tok, 4, generator=g, dtype=torch.float64)           # values [tok, d]
+        n_tiles = -(-n_tok // 64)
+        st = []
+        for c in range(2):
+            m = torch.full((3,), -math.inf, dtype=torch.float64)
+            l = torch.zeros(3, dtype=torch.float64)
+            o = torch.zeros(3, 4, dtype=torch.float64)
+            for t in range(c, n_tiles, 2):
+                xs = x[64 * t:64 * t + 64]
+                m_new = torch.maximum(m, xs.max(0).values)
+                f = torch.exp2((m - m_new) * s)
+                p = torch.exp2(xs * s - m_new * s)
+                l = l * f + p.sum(0)
+                o = o * f[:, None] + p.t() @ v[64 * t:64 * t + 64]
+                m = m_new
+            st.append((m, l, o))
+        (m0, l0, o0), (m1, l1, o1) = st
+        m = torch.maximum(m0, m1)
+        f0 = torch.exp2((m0 - m) * s)
+        f1 = torch.where(l1 > 0, torch.exp2((m1 - m) * s), torch.zeros_like(l1))
+        lsum = l0 * f0 + l1 * f1
+        out = (o0 * f0[:, None] + o1 * f1[:, None]) / lsum[:, None]
+        lse = (m * s + torch.log2(lsum)) * math.log(2)
+        ref = torch.softmax(x * 0.09, 0)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert torch.allclose(out, ref.t() @ v, atol=1e-12), n_tok
+        assert torch.allclose(lse, torch.logsumexp(x * 0.09, 0), atol=1e-12), n_tok
 
 
 def _swapab_fp8_fragment_check(out):

@@ -57,7 +57,10 @@ tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside mla_decode_h200
     fp8  H=32:  wgmma faster from L=8K on (B=64 L=32K 818.8 vs 941.9); fp8 H=12: mma faster.
 A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab"; bf16 and fp8), swaps A and B
 so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
-padding to 64 rows; `choose_core` picks it for every bf16 call.
+padding to 64 rows; `choose_core` picks it for every bf16 call. Its fp8 path runs two consumer
+warpgroups on alternate tiles by default (UNTESTED ON A GPU; PDSERVE_MLA_SWAPAB_CONSUMERS=1 is the
+single-consumer kernel that passed the H200 tests, PDSERVE_MLA_SWAPAB_ORDER=1 orders their S^T
+phases; see swapab.py).
 """
 from __future__ import annotations
 
@@ -1046,8 +1049,10 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
+        # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
+        # ordered: PDSERVE_MLA_SWAPAB_ORDER)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               int(head_groups))
+               int(head_groups), k.consumers, k.ordered)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:

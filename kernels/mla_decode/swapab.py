@@ -14,7 +14,8 @@ padded to 64) and the tokens / latent dims are M:
 
   * warpgroup 0, warp 0 = TMA producer, as in wgmma.py: per tile one TMA (128-byte swizzle) of the
     [64, 576] tile into a 2-stage ring (`pipeline.PipelineTmaAsync`), setmaxnreg 24.
-  * warpgroup 1 = the single consumer (setmaxnreg 240):
+  * warpgroup 1 = the single consumer (setmaxnreg 240; the fp8 path has two consumer warpgroups
+    by default, see "two consumer warpgroups" below):
       - Q [h_pad, 576] loaded once into smem (cp.async; rows >= H zero), K-major, 128-byte swizzle.
       - S^T [64 tokens, N] = K Q^T: 36 wgmma m64nNk16, A = the K tile in smem (K-major, the bytes
         TMA wrote), B = Q in smem (K-major). fp32, N / 2 registers per thread.
@@ -91,25 +92,89 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     2 cvt.rn.satfinite.e4m3x2.f32 + 1 cvt.rn.f16x2.e4m3x2), 9 h_pad / 8 pairs of 8-byte
     st.shared. The stage is released (sync_warp + one arrive per warp) once the last V words
     have been converted (S^T's smem reads retired earlier), before the last PV group retires.
-  * registers (cubin, CPU build): 240 at launch, no spill stack, h_pad 16 and 32. smem
-    (kernel_config.smem_bytes, 4 KB slack): 230,912 B at h_pad 32, 209,664 B at h_pad 16
-    (5 x 36 KB ring + Q_hi/Q_lo 36 / 18 KB + P^T 4 / 2 KB + stats), as before.
+  * one consumer: registers (cubin, CPU build): 240 at launch, no spill stack, h_pad 16 and 32.
+    smem (kernel_config.smem_bytes, 4 KB slack): 230,912 B at h_pad 32, 209,664 B at h_pad 16
+    (5 x 36 KB ring + Q_hi/Q_lo 36 / 18 KB + P^T 4 / 2 KB + stats). Two consumers: below.
   * checked on the CPU (tests/test_mla_decode_compile.py): the descriptor fields and start
     offsets in the PTX, a model of the wgmma's swizzled addressing against the TMA layout and
     the Q stores (test_swapab_fp8_fragment_layouts), P^T's order, the V^T fragments against the
     library's wgmma A layout, the split's numerics (test_swapab_fp8_q_split_numerics).
+  Status of this fp8 path with one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1, PTX byte-identical
+  to the version that ran): passed all MLA GPU tests on the H200 (fp8 H=12 B=64 L=128K 77 %,
+  H=32 60 % of the copy floor; ~1.86 us per 64-token tile at H=32, everything serial in the one
+  consumer).
+
+Two consumer warpgroups ("ping-pong", `consumers` = 2: the default for fp8; bf16 keeps 1, its PTX
+unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs):
+  * 384 threads: warpgroup 0 = producer (setmaxnreg 24), warpgroups 1 and 2 = consumers 0 and 1
+    (setmaxnreg 240; 128 x 24 + 256 x 240 = 64,512 <= 65,536 registers; 168 at launch).
+    Consumer c takes the split's tiles t_begin + c, t_begin + c + 2, ..., each with its own
+    online-softmax state (column max / sums), O^T accumulator, P^T buffer, column-max (2 buffers)
+    and column-sum smem, and named barrier (id 1 + c, 128 threads). Id 3 (256 threads, both
+    consumers): Q stored, every tile consumed, merge data ready. Id 0: only the CTA sync of the
+    mbarrier init.
+  * one TMA ring in tile order (the producer is unchanged): tile t_begin + i in stage
+    i % stages, full-barrier phase (i // stages) % 2. Consumer c's pipeline state starts
+    advanced by c and moves by 2 per tile (wait, then advance(2)), so it waits on exactly the
+    stage / phase of each of its own tiles and skips the other's. Each stage fill is consumed
+    and released by one warpgroup (4 warps, one arrive each: the consumer arrive count stays 4).
+    A stage's full barrier cannot run a phase ahead of its owner: its next fill needs the
+    owner's release first. No deadlock: within the tile loop the consumers never wait on each
+    other, and the lowest unconsumed tile's owner waits only on TMAs that need releases of lower
+    tiles.
+  * Q: both consumers read Q and compute max|q| -> s with the same operations (same s bit for
+    bit; each its own scale_s); consumer 0 alone stores Q_hi / Q_lo (bf16: the cp.async), then
+    fence.proxy.async and barrier 3 before either consumer's first wgmma.
+  * epilogue (_merge_consumers): each consumer reduces its column sums (own barrier); barrier 3
+    (both past their last tile: every TMA of the split has landed -- each full barrier was
+    waited on -- and every wgmma reading the ring retired), so the ring is free; consumer 1
+    stores its O^T fragments (float (r + 16 c) 128 + thread, conflict free, 64 / 32 KB at
+    h_pad 32 / 16) and per-head (max, sum) into stage 0.., arrives on barrier 3; consumer 0
+    syncs on it and merges exactly: m = max(m0, m1), f_c = 2^((m_c - m) scale_s),
+    O = O0 f0 + O1 f1, l = l0 f0 + l1 f1 (f1 selected 0 when l1 = 0: a consumer with no tile,
+    in a 1-tile split, has m1 = -inf, l1 = 0, O1 = 0 and contributes nothing, no NaN; consumer 0
+    always has a tile whose token 0 is valid, so m0 is finite), then normalizes and writes once
+    through the existing output / partial code. Consumer 1 runs that code too with every store
+    predicated off (heads_w = 0).
+  * optional order (PDSERVE_MLA_SWAPAB_ORDER=1, fp8; off by default): FA3-style handshake on
+    named barriers 4 + c (256 threads): tile t's S^T wgmmas start after tile t - 1's retired
+    (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
+    consumer's softmax / P^T / V conversion runs under the other's S^T. Default: the two run
+    free, relying on the scheduler.
+  * smem (kernel_config.smem_bytes): fp8 199,680 B at h_pad 32 (4 x 36 KB stages: the fifth no
+    longer fits next to a second P^T + stats), 212,480 B at h_pad 16 (5 stages); bf16 with 2
+    consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages).
+  * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
+    32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers; the SASS
+    (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
+    LDL / STL.
+  * ring depth at h_pad 32: with each consumer holding one stage while it computes, 2 of the 4
+    stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage would
+    need sSum aliased onto sMax (safe: the last tile's sMax reads precede its P^T barrier) and
+    then comes to exactly 232,448 B = SMEM_LIMIT -- not done.
+  * per tile and consumer the instruction stream is the single consumer's (same wgmma / cvt /
+    ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
+    (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
+  Status of the two-consumer path: compiles on CPU (tests/test_mla_decode_compile.py: thread
+  count, setmaxnreg values, named barrier ids and counts, wgmma counts, no spill; a torch model
+  of the alternate-tile split + merge, test_swapab_two_consumer_merge_model); UNTESTED ON A GPU.
+  GPU coverage: every fp8 swapab GPU test runs it (default), test_swapab_consumer_variants also
+  runs fp8 with 1 consumer, 2 ordered, 2 free, and bf16 with 2.
+
+Status: compiles to sm_90a on CPU (tests/test_mla_decode_compile.py: wgmma counts, registers and
+no spill stack read from the cubin); the bf16 path and the single-consumer fp8 path passed the
+H200 GPU tests; the two-consumer fp8 path (the fp8 default) is UNTESTED ON A GPU. Next steps: A/B
+PDSERVE_MLA_SWAPAB_CONSUMERS=1 / 2 and PDSERVE_MLA_SWAPAB_ORDER=0 / 1 on the H200, a fifth
+fp8 stage at h_pad 32 (above), a smem-staged vectorized epilogue, stmatrix for P^T.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
 b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
 instead of one of 32 (H200: fp8 B=1 L=8K 23.1 vs 29.4 us; bf16 B=64 L=1K 28.7 vs 37.5).
-
-Status (H200, 2026-11-29): all MLA GPU tests pass for bf16 and for the fp8 path above (native
-e4m3 S^T), with and without early_kv and head groups. Next steps: overlap S of tile t+1 with
-the softmax / PV of tile t (or two consumer warpgroups ping-ponging tiles), a smem-staged
-vectorized epilogue, stmatrix for P^T.
 """
 from __future__ import annotations
+
+import os
 
 import cutlass
 import cutlass.cute as cute
@@ -126,7 +191,9 @@ from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TIL
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-BAR_CONSUMER = 1            # named barrier id of the consumer warpgroup (0 = __syncthreads)
+BAR_CONSUMER = 1            # named barrier id of consumer warpgroup c: BAR_CONSUMER + c (0 = __syncthreads)
+BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q stored, tiles done, merge)
+BAR_ORDER = 4               # two consumers, ordered S^T (opt-in): consumer c waits on id 4 + c
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
@@ -201,7 +268,7 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1):
+                 head_groups: int = 1, consumers: int | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -223,17 +290,35 @@ class MlaDecodeSwapAbKernel:
         self.cdt = Float16 if self.kv_fp8 else BFloat16
         self.qdt = cutlass.Float8E4M3FN if self.kv_fp8 else BFloat16
         self.h_pad = h_pad
-        self.num_threads = 256
+        # consumer warpgroups: 1 = one consumer takes every tile; 2 = ping-pong (consumer c takes
+        # the split's tiles t_begin + c, t_begin + c + 2, ..., the two merged in the epilogue).
+        # Default: 2 for fp8, 1 for bf16; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides (A/B runs)
+        if consumers is None:
+            env = os.environ.get("PDSERVE_MLA_SWAPAB_CONSUMERS", "")
+            consumers = int(env) if env else (2 if self.kv_fp8 else 1)
+        if consumers not in (1, 2):
+            raise ValueError(f"core 'swapab': consumers must be 1 or 2, got {consumers}")
+        self.consumers = consumers
+        # two consumers: order the S^T phases in tile order (FA3-style named-barrier handshake:
+        # tile t's S^T wgmmas start once tile t - 1's (the other consumer's) have retired, so
+        # one consumer's softmax / P^T / V conversion runs under the other's S^T). Opt-in
+        # (PDSERVE_MLA_SWAPAB_ORDER=1); default: the two run free
+        self.ordered = consumers == 2 and os.environ.get("PDSERVE_MLA_SWAPAB_ORDER", "0") == "1"
+        self.num_threads = 128 * (1 + consumers)
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
         fixed = (h_pad * D_QK * 2                      # Q
-                 + h_pad * TILE_N * 2                  # P^T
-                 + (2 + 1) * N_WARPS * h_pad * 4       # column maxima (2 buffers) + sums
+                 + consumers * (h_pad * TILE_N * 2     # P^T (one per consumer)
+                                + (2 + 1) * N_WARPS * h_pad * 4)  # column maxima (2 bufs) + sums
                  + 4 * 1024)                           # mbarriers / alignment
         max_stages = MAX_STAGES_FP8 if self.kv_fp8 else MAX_STAGES
         self.stages = min(max_stages, (SMEM_LIMIT - fixed) // per_stage)
         assert self.stages >= 2, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
+        # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
+        # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
+        self.merge_bytes = (128 * 4 * h_pad + 2 * h_pad) * 4 if consumers == 2 else 0
+        assert self.merge_bytes <= self.stages * per_stage
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
         # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
         # while the previous is added); False = one chain of 36 wgmmas into S^T. The fp8 wgmma
@@ -325,14 +410,15 @@ class MlaDecodeSwapAbKernel:
         stages = self.stages
         kvt = self.kv_dtype
         qdt = self.qdt
+        nc = self.consumers           # sMax / sSum / sP: one copy per consumer
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sMax: cute.struct.Align[cute.struct.MemRange[Float32, 2 * N_WARPS * hp], 16]
-            sSum: cute.struct.Align[cute.struct.MemRange[Float32, N_WARPS * hp], 16]
+            sMax: cute.struct.Align[cute.struct.MemRange[Float32, nc * 2 * N_WARPS * hp], 16]
+            sSum: cute.struct.Align[cute.struct.MemRange[Float32, nc * N_WARPS * hp], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[qdt, cute.cosize(sQ_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[cdt, cute.cosize(sP_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[cdt, nc * cute.cosize(sP_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kvt, cute.cosize(sK_layout)], 1024]
 
         # Q: gmem -> smem with cp.async, 16 bytes a copy, the 128 consumer threads
@@ -394,10 +480,27 @@ class MlaDecodeSwapAbKernel:
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            sMax = storage.sMax.get_tensor(cute.make_layout(
-                (2, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))
-            sSum = storage.sSum.get_tensor(cute.make_layout((N_WARPS, hp), stride=(hp, 1)))
+            nc = self.consumers
+            if cutlass.const_expr(nc == 1):
+                cons = 0                      # the consumer's index
+                sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+                sMax = storage.sMax.get_tensor(cute.make_layout(
+                    (2, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))
+                sSum = storage.sSum.get_tensor(cute.make_layout((N_WARPS, hp), stride=(hp, 1)))
+            else:
+                # consumer cons = wg - 1 (the producer warpgroup never touches these)
+                cons = wg - 1
+                sP_all_layout = cute.tile_to_shape(
+                    warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                    self.cdt),
+                    (hp, TILE_N, nc), (0, 1, 2))
+                sP = storage.sP.get_tensor(sP_all_layout.outer,
+                                           swizzle=sP_all_layout.inner)[None, None, cons]
+                sMax = storage.sMax.get_tensor(cute.make_layout(
+                    (nc, 2, N_WARPS, hp),
+                    stride=(2 * N_WARPS * hp, N_WARPS * hp, hp, 1)))[cons, None, None, None]
+                sSum = storage.sSum.get_tensor(cute.make_layout(
+                    (nc, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))[cons, None, None]
 
             producer, consumer = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
@@ -424,7 +527,15 @@ class MlaDecodeSwapAbKernel:
             else:
                 # ---------------- consumer ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                wtid = tidx - 128             # 0..127
+                if cutlass.const_expr(nc == 1):
+                    bar = BAR_CONSUMER        # its 128-thread named barrier
+                    wtid = tidx - 128         # 0..127
+                else:
+                    # two consumers (ping-pong): warpgroup 1 + cons takes the split's tiles
+                    # t_begin + cons + 2 i, with its own P^T, column maxima / sums and barrier
+                    # (sP, sMax, sSum: this consumer's copies, made above)
+                    bar = BAR_CONSUMER + cons
+                    wtid = tidx - 128 * wg
                 cwarp = wtid // 32            # 0..3: token rows [16 cwarp, +16) of S^T
                 lane = wtid % 32
 
@@ -454,25 +565,44 @@ class MlaDecodeSwapAbKernel:
                     for off in (1, 2, 4, 8, 16):
                         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(
                             amax, offset=off, mask=-1, mask_and_clamp=31))
+                    # (two consumers: both compute amax and s from the same Q with the same
+                    # operations, so both get the same s bit for bit; consumer 0 alone stores
+                    # Q_hi / Q_lo)
                     if lane == 0:
                         sMax[0, cwarp, 0] = amax
-                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
                     for w in cutlass.range_constexpr(N_WARPS):
                         amax = cute.arch.fmax(amax, sMax[0, w, 0])
                     q_scale = _pow2_scale(amax)
-                    self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
+                    if cutlass.const_expr(nc == 1):
+                        self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
+                    else:
+                        if cons == 0:
+                            self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
                     scale_s = scale_log2 * _pow2_inv(q_scale)
                 else:
                     scale_s = scale_log2
-                    for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
-                        if tQc[0, m, 0][0] < heads:
-                            cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
-                        else:
-                            tQs[None, m, None].fill(0)
+                    if cutlass.const_expr(nc == 1):
+                        for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+                            if tQc[0, m, 0][0] < heads:
+                                cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
+                            else:
+                                tQs[None, m, None].fill(0)
+                    else:
+                        if cons == 0:             # consumer 0 alone stores Q
+                            for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+                                if tQc[0, m, 0][0] < heads:
+                                    cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
+                                else:
+                                    tQs[None, m, None].fill(0)
                     cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                if cutlass.const_expr(nc == 1):
+                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                else:
+                    # Q stored (consumer 0) before either consumer's first S^T wgmma
+                    cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
 
                 thr_qk = qk_mma.get_slice(wtid)
                 thr_pv = pv_mma.get_slice(wtid)
@@ -526,17 +656,38 @@ class MlaDecodeSwapAbKernel:
                     acc_T = [thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
                              for _ in range(2 if self.qk_promote else 0)]
 
-                for t in cutlass.range(t_begin, t_end, unroll=1):
-                    h = consumer.wait_and_advance()
+                if cutlass.const_expr(nc == 2):
+                    # one ring in tile order (tile t_begin + i in stage i % stages, phase
+                    # (i // stages) % 2); consumer c waits on i = c, c + 2, ...: its state starts
+                    # c stages in and moves 2 a tile (the other consumer's stage in between)
+                    consumer.advance(cons)
+                for t in cutlass.range(t_begin + cons, t_end, nc, unroll=1):
+                    if cutlass.const_expr(nc == 1):
+                        h = consumer.wait_and_advance()
+                        buf = (t - t_begin) % 2
+                    else:
+                        h = consumer.wait()
+                        consumer.advance(2)
+                        buf = ((t - t_begin) // 2) % 2     # this consumer's tile count % 2
                     kstage = h.index
-                    buf = (t - t_begin) % 2
                     last = (t + 1) * TILE_N > seqlen
                     if cutlass.const_expr(self.kv_fp8):
                         # S^T = K (Q_hi + Q_lo)^T, fp8 wgmma with A = the stage in smem
                         # (_fp8_qk; retired when it returns); V rows past the end are zeroed in
                         # registers in PV, K rows past the end only reach masked S^T rows
                         soff = kstage * (TILE_N * D_QK)
+                        if cutlass.const_expr(self.ordered):
+                            # after tile t - 1's S^T (the other consumer's): one arrive per
+                            # tile t - 1 >= t_begin, one wait per tile t > t_begin, so the
+                            # counts match for any tile count
+                            if t > t_begin:
+                                cute.arch.barrier(barrier_id=BAR_ORDER + cons,
+                                                  number_of_threads=256)
                         self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
+                        if cutlass.const_expr(self.ordered):
+                            if t + 1 < t_end:
+                                cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cons,
+                                                         number_of_threads=256)
                     else:
                         if last:
                             # zero the V rows past the end (4 of the 512 columns per thread)
@@ -545,7 +696,7 @@ class MlaDecodeSwapAbKernel:
                                 for j in cutlass.range_constexpr(4):
                                     sKz[r, 4 * wtid + j] = BFloat16(0.0)
                             cute.arch.fence_proxy("async.shared", space="cta")
-                            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                            cute.arch.barrier(barrier_id=bar, number_of_threads=128)
 
                         # S^T = K Q^T
                         warpgroup.fence()
@@ -570,7 +721,7 @@ class MlaDecodeSwapAbKernel:
                         mx = self._col_max(mx)
                         if lane < 4:
                             sMax[buf, cwarp, tScS_mn[0, c][1]] = mx
-                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
 
                     for c in cutlass.range_constexpr(n_cols):
                         col = tScS_mn[0, c][1]
@@ -591,7 +742,7 @@ class MlaDecodeSwapAbKernel:
                     for i in cutlass.range_constexpr(cute.size(rP)):
                         tSsP[i] = rP[i]
                     cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
 
                     # O^T += V^T P^T
                     if cutlass.const_expr(self.kv_fp8):
@@ -614,16 +765,24 @@ class MlaDecodeSwapAbKernel:
                     s = self._col_sum(col_sum[c])
                     if lane < 4:
                         sSum[cwarp, tScS_mn[0, c][1]] = s
-                cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=128)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=128)
                 lse_c = cute.make_rmem_tensor((n_cols,), Float32)
-                for c in cutlass.range_constexpr(n_cols):
-                    col = tScS_mn[0, c][1]
-                    total = sSum[0, col]
-                    for w in cutlass.range_constexpr(1, N_WARPS):
-                        total = total + sSum[w, col]
-                    acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / total)
-                    lse_c[c] = (col_max[c] * scale_s
-                                + cute.math.log2(total, fastmath=False)) * LN_2
+                if cutlass.const_expr(nc == 1):
+                    heads_w = heads           # heads this consumer writes
+                    for c in cutlass.range_constexpr(n_cols):
+                        col = tScS_mn[0, c][1]
+                        total = sSum[0, col]
+                        for w in cutlass.range_constexpr(1, N_WARPS):
+                            total = total + sSum[w, col]
+                        acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / total)
+                        lse_c[c] = (col_max[c] * scale_s
+                                    + cute.math.log2(total, fastmath=False)) * LN_2
+                else:
+                    self._merge_consumers(cons, sK.iterator.toint(), acc_O_mn, col_max, tScS_mn,
+                                          sSum, lse_c, wtid, cwarp, lane, scale_s, out_scale)
+                    # consumer 0 writes the merged result; consumer 1's stores are all off
+                    heads_w = cutlass.select_(cons == 0, heads, Int32(0))
+                    col = Int32(0)            # (assigned in the dynamic ifs below)
 
                 # O^T [d, h] -> out[b, h, d]: the output rows seen transposed
                 tOcO = thr_pv.partition_C(cute.make_identity_tensor((D_V, hp)))
@@ -639,24 +798,81 @@ class MlaDecodeSwapAbKernel:
                     rO = cute.make_fragment_like(acc_O, BFloat16)
                     rO.store(acc_O.load().to(BFloat16))
                     for i in cutlass.range_constexpr(cute.size(rO)):
-                        if tOcO[i][1] < heads:
+                        if tOcO[i][1] < heads_w:
                             tOgO[i] = rO[i]
                     if cwarp == 0 and lane < 4:
                         for c in cutlass.range_constexpr(n_cols):
                             col = tScS_mn[0, c][1]
-                            if col < heads:
+                            if col < heads_w:
                                 mLse[b, col] = lse_c[c]
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     tOgOp = thr_pv.partition_C(gOpt)
                     for i in cutlass.range_constexpr(cute.size(acc_O)):
-                        if tOcO[i][1] < heads:
+                        if tOcO[i][1] < heads_w:
                             tOgOp[i] = acc_O[i]
                     if cwarp == 0 and lane < 4:
                         for c in cutlass.range_constexpr(n_cols):
                             col = tScS_mn[0, c][1]
-                            if col < heads:
+                            if col < heads_w:
                                 mLsep[split, b, col] = lse_c[c]
+
+    @cute.jit
+    def _merge_consumers(self, cons, ring_addr, acc_O_mn, col_max, tScS_mn, sSum, lse_c, wtid,
+                         cwarp, lane, scale_s, out_scale):
+        """Two consumers, epilogue (both warpgroups call it, each with its own state; its
+        sSum rows hold its per-warp column sums): consumer 1 hands its O^T fragments and per-head
+        (max, sum) to consumer 0 through the ring, consumer 0 merges them into its own, exactly:
+        m = max(m0, m1), f_c = 2^((m_c - m) scale_s), O = O0 f0 + O1 f1, l = l0 f0 + l1 f1, then
+        normalizes (out_scale / l) and sets lse_c = (m scale_s + log2 l) ln 2. A consumer that had
+        no tile (split of 1 tile) has m1 = -inf, l1 = 0, O1 = 0: f1 = 0 (selected, never NaN).
+        Consumer 0 always had a tile (t_begin < t_end) whose token 0 is valid: m0 finite."""
+        hp = self.h_pad
+        n_orows = cute.size(acc_O_mn.shape[0])      # 16 latent dims
+        n_cols = cute.size(acc_O_mn.shape[1])       # hp / 4 heads
+        tot = cute.make_rmem_tensor((n_cols,), Float32)
+        for c in cutlass.range_constexpr(n_cols):
+            col = tScS_mn[0, c][1]
+            total = sSum[0, col]
+            for w in cutlass.range_constexpr(1, N_WARPS):
+                total = total + sSum[w, col]
+            tot[c] = total
+        # both consumers past their last tile: every TMA of the split has landed (each full
+        # barrier was waited on) and every wgmma reading the ring has retired, so the ring is
+        # free: consumer 1's O^T at float (r + 16 c) 128 + wtid (conflict free), then its
+        # (max, sum) per head
+        cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
+        mptr = cute.make_ptr(Float32, ring_addr, cute.AddressSpace.smem, assumed_align=16)
+        sO1 = cute.make_tensor(mptr, cute.make_layout((n_orows, n_cols, 128),
+                                                      stride=(128, 128 * n_orows, 1)))
+        sL1 = cute.make_tensor(mptr + 128 * n_orows * n_cols,
+                               cute.make_layout((2, hp), stride=(hp, 1)))
+        if cons == 1:
+            for c in cutlass.range_constexpr(n_cols):
+                for r in cutlass.range_constexpr(n_orows):
+                    sO1[r, c, wtid] = acc_O_mn[r, c]
+            if cwarp == 0 and lane < 4:
+                for c in cutlass.range_constexpr(n_cols):
+                    hcol = tScS_mn[0, c][1]
+                    sL1[0, hcol] = col_max[c]
+                    sL1[1, hcol] = tot[c]
+            cute.arch.barrier_arrive(barrier_id=BAR_BOTH, number_of_threads=256)
+        else:
+            cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
+            for c in cutlass.range_constexpr(n_cols):
+                mcol = tScS_mn[0, c][1]
+                m1 = sL1[0, mcol]
+                l1 = sL1[1, mcol]
+                m = cute.arch.fmax(col_max[c], m1)
+                f0 = cute.math.exp2((col_max[c] - m) * scale_s, fastmath=True)
+                f1 = cutlass.select_(l1 > Float32(0.0),
+                                     cute.math.exp2((m1 - m) * scale_s, fastmath=True),
+                                     Float32(0.0))
+                lsum = tot[c] * f0 + l1 * f1
+                for r in cutlass.range_constexpr(n_orows):
+                    acc_O_mn[r, c] = acc_O_mn[r, c] * f0 + sO1[r, c, wtid] * f1
+                acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / lsum)
+                lse_c[c] = (m * scale_s + cute.math.log2(lsum, fastmath=False)) * LN_2
 
     # ------------------------------------------------------------------------------------------
     # fp8 path: register A operands from the raw fp8 tile

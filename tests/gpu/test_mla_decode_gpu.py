@@ -145,6 +145,27 @@ def test_forced_splits(num_splits, core, fp8):
     check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core=core)
 
 
+# swapab consumer warpgroups: (cache, PDSERVE_MLA_SWAPAB_CONSUMERS, PDSERVE_MLA_SWAPAB_ORDER); the
+# defaults (fp8: 2 free-running, bf16: 1) run in every other test
+SWAPAB_VARIANTS = {"fp8-1": (True, "1", "0"), "fp8-2-ordered": (True, "2", "1"),
+                   "bf16-2": (False, "2", "0"), "fp8-2": (True, "2", "0")}
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("H", [12, 32])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
+@pytest.mark.parametrize("variant", list(SWAPAB_VARIANTS))
+def test_swapab_consumer_variants(variant, num_splits, H, monkeypatch):
+    """swapab with one / two consumer warpgroups (tiles alternate between the two, merged in
+    the epilogue) and the ordered S^T handshake: splits of 1 tile (consumer 1 empty), 2, odd
+    and even tile counts, both epilogues."""
+    fp8, consumers, order = SWAPAB_VARIANTS[variant]
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", order)
+    check([1, 64, 65, 128, 129, 192, 3000, 20000 + 33], H, fp8, num_splits=num_splits,
+          core="swapab")
+
+
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("core", CORES)
 def test_cuda_graph_replay_matches_eager(core):
