@@ -526,8 +526,10 @@ def test_choose_core_follows_the_h200_measurements():
     assert mc.choose_core(32, 8192) == "swapab"
     assert mc.choose_core(12, 1024, batch=64) == "swapab"
     assert mc.choose_core(12, None) == "swapab"        # unknown length (captured, num_splits only)
-    # fp8: mma (2 CTAs/SM) at H <= 16 and swapab at H > 16 for large B x L, wgmma for small
-    assert mc.choose_core(12, 32768, batch=64, kv_fp8=True) == "mma"
+    # fp8: swapab for large B x L (from 128K at H <= 16, 256K above), wgmma for small
+    assert mc.choose_core(12, 32768, batch=64, kv_fp8=True) == "swapab"
+    assert mc.choose_core(12, 131072, kv_fp8=True) == "swapab"
+    assert mc.choose_core(12, 8192, batch=8, kv_fp8=True) == "wgmma"
     assert mc.choose_core(12, 8192, kv_fp8=True) == "wgmma"
     assert mc.choose_core(32, 8192, batch=8, kv_fp8=True) == "wgmma"
     assert mc.choose_core(32, 32768, batch=8, kv_fp8=True) == "swapab"
@@ -535,7 +537,8 @@ def test_choose_core_follows_the_h200_measurements():
 
 
 def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():
-    assert mc.plan_call(64, 12, 32768, True, "auto", False) == ("mma", 4, 1)
+    assert mc.plan_call(64, 12, 32768, True, "mma", False) == ("mma", 4, 1)
+    assert mc.plan_call(64, 12, 32768, True, "auto", False) == ("swapab", 2, 1)
     assert mc.plan_call(64, 12, 32768, False, "auto", False) == ("swapab", 2, 1)
     assert mc.plan_call(64, 32, 32768, True, "mma", False) == ("mma", 2, 1)  # h_pad 32: 1 CTA/SM
     assert mc.plan_call(1, 12, 8192, True, "wgmma", False, num_splits=7) == ("wgmma", 7, 1)

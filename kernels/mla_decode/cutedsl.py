@@ -26,21 +26,21 @@ Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 
 the sigmoid output gate.
 
 Status on the H200 (2026-11-29, session 6; CUDA-graph medians, >= 16 calls per graph):
-  * bf16: the swapab core (swapab.py) reaches 85-105 % of the 4245 GB/s copy floor in every cell
+  * bf16: the swapab core (swapab.py) reaches 88-107 % of the 4245 GB/s copy floor in every cell
     with B x L >= 256K tokens, at H = 12 and H = 32 (benchmarks/results/mla_decode_h200_auto.json;
     above 100 % because a pure read stream beats the copy's read + write mix). It is faster than
     the mma and wgmma cores in every cell of the benchmark grid.
-  * B = 1, L = 8K, bf16 (swapab): 8.8 us at H = 12 and 11.6 us at H = 32 with early_kv, 10.6 /
-    12.9 without (mla_decode_h200_swapab_early_kv.json, mla_decode_h200_auto.json).
+  * B = 1, L = 8K, bf16 (swapab): 8.1 us at H = 12 and 10.9 us at H = 32 with early_kv, 10.1 /
+    11.9 without (mla_decode_h200_auto_early_kv.json, mla_decode_h200_auto.json).
   * `early_kv=True` (opt-in; all three cores): the main kernel issues its seq_lens,
     block-table and first KV-tile reads before griddepcontrol.wait, so the first tile's DRAM
     round trips overlap the previous kernel; Q and every write stay behind the wait. Contract:
     the kernel right before it in the stream writes none of those.
-  * fp8: the mma core's direct-operand path with two CTAs per SM at H = 12 reaches 78-84 % where
-    B x L >= 1M (B=64 L=32K 340.0 us, 84 %, with 4 splits; mla_decode_h200_cores.json), 53 % at
-    B=8 L=32K; at H = 32 (one CTA per SM) 33-43 %. At small B x L its long per-tile chain
-    (~2.9-3.5 us per tile and CTA) loses to the wgmma core, which widens whole tiles to bf16
-    (B=1 L=8K 13.4 vs 20.1 us). `choose_core` follows these measurements.
+  * fp8: swapab with two consumer warpgroups reaches 63-90 % at H = 12 and 44-69 % at H = 32
+    where B x L >= 256K (mla_decode_h200_swapab_consumers.json). The mma core's direct-operand
+    path (two CTAs per SM at H <= 16) reaches 53-84 % at H = 12; at small B x L the wgmma
+    core, which widens whole tiles to bf16, is fastest (B=1 L=8K 13.0 us). `choose_core`
+    follows these measurements.
   * Every kernel is launched with PDL and triggers its dependents on entry; the combine spreads
     each head over 4 CTAs of 16 split groups when there are many splits (`choose_combine`).
 
@@ -985,8 +985,8 @@ def _fake_args_main(k: MlaDecodeKernel):
 # choose_core pick per call
 CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
-# fp8: (core, from this B x L on) per padded head count; wgmma below
-FP8_LARGE = {16: ("mma", 128 * 1024), 32: ("swapab", 256 * 1024)}
+# fp8: swapab from this B x L on (per padded head count), wgmma below
+FP8_SWAPAB_MIN_TOKENS = {16: 128 * 1024, 32: 256 * 1024}
 HEAD_GROUP_FP8_MAX_TOKENS = 64 * 1024   # choose_head_groups (H > 16): fp8 up to this B x L,
 HEAD_GROUP_BF16_MAX_SEQ = 2048           # bf16 up to this context length
 
@@ -998,17 +998,18 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
         with and without early_kv (e.g. H=32 B=64 L=32K 566.7 vs wgmma 748.6; H=12 B=1 L=8K
         10.5 vs mma 11.2, with early_kv 8.8 vs 9.8; mla_decode_h200_swapab*.json against
         mla_decode_h200_auto_early_kv.json and the session-5 auto run).
-      * fp8, H <= 16: the mma core's 2-CTA/SM variant from B x L >= 128K (B=64 L=32K 340.0 us
-        with 4 splits vs wgmma 791.8, swapab 441.5), wgmma below (B=1 L=8K 13.4 vs mma 20.1,
-        swapab 15.9) (mla_decode_h200_cores.json, mla_decode_h200_swapab_early_kv.json).
-      * fp8, H > 16: swapab from B x L >= 256K (B=64 L=32K 582.1 vs mma 656.3, wgmma 800.5; B=8
-        L=32K 103.0 vs wgmma 110.2), wgmma below (B=1 L=8K 15.0 vs swapab 30.4).
+      * fp8: swapab (two consumer warpgroups) from B x L >= 128K at H <= 16 and >= 256K at
+        H > 16, wgmma below. H=12: B=64 L=32K 316.7 us vs mma (2 CTAs/SM, 4 splits) 352.3 and
+        wgmma 791.8, B=8 L=32K 56.2 vs mma 67.1, B=64 L=8K 96.0 vs 107.4; H=32: B=64 L=32K
+        413.4 vs mma 656.3 and wgmma 800.5, B=8 L=32K 81.7 vs wgmma 110.2; below those sizes
+        wgmma, e.g. B=1 L=8K 13.0 us at H=12 vs swapab 16.3 and mma 20.1
+        (mla_decode_h200_swapab_consumers.json, mla_decode_h200_auto.json,
+        mla_decode_h200_cores.json).
     An unknown length (a captured call that passed num_splits only) counts as short."""
     if not kv_fp8:
         return "swapab"
     tokens = 0 if max_seq_len is None else batch * int(max_seq_len)
-    core, min_tokens = FP8_LARGE[h_pad_for(heads)]
-    return core if tokens >= min_tokens else "wgmma"
+    return "swapab" if tokens >= FP8_SWAPAB_MIN_TOKENS[h_pad_for(heads)] else "wgmma"
 
 
 def _core(core: str | None) -> str:

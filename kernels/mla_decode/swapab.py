@@ -155,17 +155,16 @@ unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs)
   * per tile and consumer the instruction stream is the single consumer's (same wgmma / cvt /
     ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
     (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
-  Status of the two-consumer path: compiles on CPU (tests/test_mla_decode_compile.py: thread
-  count, setmaxnreg values, named barrier ids and counts, wgmma counts, no spill; a torch model
-  of the alternate-tile split + merge, test_swapab_two_consumer_merge_model); UNTESTED ON A GPU.
-  GPU coverage: every fp8 swapab GPU test runs it (default), test_swapab_consumer_variants also
-  runs fp8 with 1 consumer, 2 ordered, 2 free, and bf16 with 2.
-
-Status: compiles to sm_90a on CPU (tests/test_mla_decode_compile.py: wgmma counts, registers and
-no spill stack read from the cubin); the bf16 path and the single-consumer fp8 path passed the
-H200 GPU tests; the two-consumer fp8 path (the fp8 default) is UNTESTED ON A GPU. Next steps: A/B
-PDSERVE_MLA_SWAPAB_CONSUMERS=1 / 2 and PDSERVE_MLA_SWAPAB_ORDER=0 / 1 on the H200, a fifth
-fp8 stage at h_pad 32 (above), a smem-staged vectorized epilogue, stmatrix for P^T.
+  Status of the two-consumer path: passed all 228 MLA GPU tests on the H200 (2026-11-29; also
+  fp8 with 1 consumer, 2 ordered, and bf16 with 2, test_swapab_consumer_variants). fp8, early_kv,
+  us and % of the copy floor, 1 consumer -> 2 (mla_decode_h200_swapab_consumers.json):
+      H=12: B=8 L=32K 63.8 -> 56.2 (63 %), B=8 L=128K 199.0 -> 165.1 (86 %), B=64 L=8K 110.2 ->
+            96.0 (74 %), B=64 L=32K 378.8 -> 316.7 (90 %), B=64 L=128K 1514.1 -> 1340.3 (85 %)
+      H=32: B=8 L=32K 92.1 -> 81.7 (44 %), B=8 L=128K 262.0 -> 220.3 (65 %), B=64 L=8K 162.4 ->
+            143.7 (49 %), B=64 L=32K 497.1 -> 413.4 (69 %), B=64 L=128K 1954.7 -> 1719.2 (66 %)
+  The ordered handshake (PDSERVE_MLA_SWAPAB_ORDER=1) was within 3 % of the free-running pair
+  (faster at H = 12 B=64 L=8K, slower at H = 32), so it stays off. Next steps: a fifth fp8 stage
+  at h_pad 32 (above), a smem-staged vectorized epilogue, stmatrix for P^T.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
