@@ -115,6 +115,54 @@ def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_
     return mO, mLse, mOp, mLsep, mSeq
 
 
+@cute.jit
+def split_tile_range(mSeq: cute.Tensor, breq: Int32, split: Int32, num_splits: Int32,
+                     early_kv: cutlass.Constexpr):
+    """Entry of every main kernel (the three cores). PDL both ways: the combine may become
+    resident now (it waits for our partials), and nothing is read or written before the previous
+    kernel in the stream completed -- with early_kv the caller's wait comes later, after its
+    seq_lens, block-table and KV-cache reads. Returns (seqlen, t_begin, t_end): this split's
+    tiles of request `breq`."""
+    cute.arch.griddepcontrol_launch_dependents()
+    if cutlass.const_expr(not early_kv):
+        cute.arch.griddepcontrol_wait()
+    seqlen = mSeq[breq]
+    n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
+    tiles_per_split = (n_tiles + num_splits - 1) // num_splits
+    t_begin = split * tiles_per_split
+    t_end = cutlass.min(t_begin + tiles_per_split, n_tiles)
+    return seqlen, t_begin, t_end
+
+
+@cute.jit
+def write_empty_split(mLsep: cute.Tensor, split: Int32, b: Int32, tidx: Int32, heads: Int32,
+                      early_kv: cutlass.Constexpr):
+    """An empty split (short request) writes only its LSE, -inf: the combine gives it weight 0."""
+    if cutlass.const_expr(early_kv):
+        cute.arch.griddepcontrol_wait()
+    if tidx < heads:
+        mLsep[split, b, tidx] = -Float32.inf
+
+
+@cute.jit
+def tma_produce_tiles(tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, sRing: cute.Tensor,
+                      mBT: cute.Tensor, breq: Int32, t_begin: Int32, t_end: Int32,
+                      tiles_per_page: cutlass.Constexpr, producer):
+    """The TMA producer warp of the warpgroup cores (wgmma.py, swapab.py): tiles [t_begin,
+    t_end) of request `breq`, each a [64, 576] TMA into the next stage of the ring `sRing`
+    ([64, 576, stages]) once the pipeline `producer` has it free."""
+    cpasync.prefetch_descriptor(tma_atom)
+    gKV = cute.local_tile(mKV_tma, (TILE_N, D_QK), (None, 0))
+    tKs, tKg = cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1),
+        cute.group_modes(sRing, 0, 2), cute.group_modes(gKV, 0, 2))
+    for t in cutlass.range(t_begin, t_end, unroll=1):
+        h = producer.acquire_and_advance()
+        page = mBT[breq, t // tiles_per_page]
+        cute.copy(tma_atom, tKg[None, page * tiles_per_page + t % tiles_per_page],
+                  tKs[None, h.index], tma_bar_ptr=h.barrier)
+
+
 @dsl_user_op
 def _cvt_e4m3x2_f16x2(x, high: bool, *, loc=None, ip=None) -> Int32:
     """The two e4m3 bytes of the low (high=False) or high half of the 32-bit x -> f16x2 (exact;
@@ -361,24 +409,9 @@ class MlaDecodeKernel:
         warp_n = tidx // (32 * self.mw)
         heads = mQ.shape[1]
 
-        # PDL both ways: the combine may become resident now (it waits for our partials), and
-        # nothing here is read or written before the previous kernel in the stream completed
-        # (with early_kv: nothing but seq_lens, the block table and the KV cache)
-        cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(not self.early_kv):
-            cute.arch.griddepcontrol_wait()
-        seqlen = mSeq[b]
-        n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
-        tiles_per_split = (n_tiles + num_splits - 1) // num_splits
-        t_begin = split * tiles_per_split
-        t_end = cutlass.min(t_begin + tiles_per_split, n_tiles)
-
+        seqlen, t_begin, t_end = split_tile_range(mSeq, b, split, num_splits, self.early_kv)
         if t_begin >= t_end:
-            # an empty split (short request): only its LSE, which the combine skips
-            if cutlass.const_expr(self.early_kv):
-                cute.arch.griddepcontrol_wait()
-            if tidx < heads:
-                mLsep[split, b, tidx] = -Float32.inf
+            write_empty_split(mLsep, split, b, tidx, heads, self.early_kv)
         else:
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)

@@ -63,7 +63,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, query_tensors,
-                                                result_tensors)
+                                                result_tensors, split_tile_range,
+                                                tma_produce_tiles, write_empty_split)
 
 M = 64                      # wgmma rows: the request's heads, padded to 64 with zero queries
 N_WG = 2                    # consumer warpgroups, each owning WG_COLS output columns
@@ -205,26 +206,10 @@ class MlaDecodeWgmmaKernel:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         heads = mQ.shape[1]
-        tpp = self.tiles_per_page
 
-        # PDL both ways: the combine may become resident now (it waits for our partials), and
-        # nothing here is read or written before the previous kernel in the stream completed
-        # (with early_kv the producer reads seq_lens, the block table and the cache before it)
-        cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(not self.early_kv):
-            cute.arch.griddepcontrol_wait()
-        seqlen = mSeq[b]
-        n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
-        tiles_per_split = (n_tiles + num_splits - 1) // num_splits
-        t_begin = split * tiles_per_split
-        t_end = cutlass.min(t_begin + tiles_per_split, n_tiles)
-
+        seqlen, t_begin, t_end = split_tile_range(mSeq, b, split, num_splits, self.early_kv)
         if t_begin >= t_end:
-            # an empty split (short request): only its LSE, which the combine skips
-            if cutlass.const_expr(self.early_kv):
-                cute.arch.griddepcontrol_wait()
-            if tidx < heads:
-                mLsep[split, b, tidx] = -Float32.inf
+            write_empty_split(mLsep, split, b, tidx, heads, self.early_kv)
         else:
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)
@@ -247,16 +232,8 @@ class MlaDecodeWgmmaKernel:
                 # ---------------- producer ----------------
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp == 0:
-                    cpasync.prefetch_descriptor(tma_atom)
-                    gKV = cute.local_tile(mKV_tma, (TILE_N, D_QK), (None, 0))
-                    tKs, tKg = cpasync.tma_partition(
-                        tma_atom, 0, cute.make_layout(1),
-                        cute.group_modes(sLoad, 0, 2), cute.group_modes(gKV, 0, 2))
-                    for t in cutlass.range(t_begin, t_end, unroll=1):
-                        h = producer.acquire_and_advance()
-                        page = mBT[b, t // tpp]
-                        cute.copy(tma_atom, tKg[None, page * tpp + t % tpp],
-                                  tKs[None, h.index], tma_bar_ptr=h.barrier)
+                    tma_produce_tiles(tma_atom, mKV_tma, sLoad, mBT, b, t_begin, t_end,
+                                      self.tiles_per_page, producer)
             else:
                 # ---------------- consumers ----------------
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
