@@ -8,7 +8,11 @@ bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy
 The split count is fixed before capture (choose_num_splits from B, L, H).
 
     python benchmarks/mla_decode.py [--json benchmarks/results/mla_decode_h200.json] [--quick]
-                                    [--core auto|mma|wgmma|swapab]
+                                    [--core auto|mma|wgmma|swapab] [--early-kv] [--no-sweep]
+                                    [--kv both|bf16|fp8] [--heads 12,32]
+
+PDSERVE_MLA_* environment switches (e.g. PDSERVE_MLA_SWAPAB_FP8_STAGES) go in front of the
+command and are recorded in the JSON ("env").
 
 --core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell,
 recorded in each row); the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma",
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -106,6 +111,9 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="skip the split-count sweep")
     ap.add_argument("--early-kv", action="store_true",
                     help="read the cache before the PDL wait (the previous kernel writes none of it)")
+    ap.add_argument("--kv", default="both", choices=("both", "bf16", "fp8"),
+                    help="cache dtypes to run (A/B runs of an fp8-only switch: fp8)")
+    ap.add_argument("--heads", default="12,32", help="comma-separated head counts (default 12,32)")
     args = ap.parse_args(argv)
     import cutlass
     from pdserve.kernels.mla_decode.cutedsl import CORE
@@ -113,11 +121,12 @@ def main(argv=None):
     if args.json is None:
         args.json = ("benchmarks/results/mla_decode_h200" + ("" if core == "mma" else f"_{core}")
                      + ("_early_kv" if args.early_kv else "") + ".json")
-    Bs, Ls, Hs = (1, 8, 64), (1024, 8192, 32768, 131072), (12, 32)
+    Bs, Ls = (1, 8, 64), (1024, 8192, 32768, 131072)
+    Hs = tuple(int(h) for h in args.heads.split(","))
     if args.quick:
         Bs, Ls = (1, 64), (8192, 131072)
     rows = []
-    for fp8 in (False, True):
+    for fp8 in {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.kv]:
         for H in Hs:
             for B in Bs:
                 for L in Ls:
@@ -144,6 +153,7 @@ def main(argv=None):
         copy_bw_gbps=COPY_BW / 1e9, page_tokens=PAGE, softmax_scale=SCALE,
         timing="median of CUDA-graph replays; K >= MIN_CALLS calls per graph rotating over up to 64 disjoint page sets (>= 256 MB working set)", min_calls=MIN_CALLS,
         targets=dict(frac_of_copy_bw_where_BxL_ge_256K=0.75, us_at_B1_L8K=10.0),
+        env={k: v for k, v in sorted(os.environ.items()) if k.startswith("PDSERVE_MLA")},
         results=rows,
         sweep=sweep,
     )

@@ -259,6 +259,71 @@ def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
     assert res["regs"] <= 65536 // 384, res
 
 
+@pytest.mark.parametrize("ordered", ["0", "1"])
+def test_swapab_fp8_five_stages(ordered, monkeypatch, tmp_path):
+    """PDSERVE_MLA_SWAPAB_FP8_STAGES=5 (opt-in, UNTESTED ON A GPU): fp8 h_pad 32 with two
+    consumers gets a fifth ring stage by keeping the column sums in sMax buffer 0 (no sSum in the
+    struct), exactly SMEM_LIMIT; same instruction stream, 10 mbarriers, no spill."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "5")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", ordered)
+    from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
+    k = mc.kernel_config(True, 32, 64, core="swapab")
+    assert k.consumers == 2 and k.stages == 5 and k.sum_on_max
+    assert k.smem_bytes == MlaDecodeSwapAbKernel.struct_bytes(5, 2, 32, True) == 232448
+    assert k.smem_bytes <= mc.SMEM_LIMIT
+    assert k.merge_bytes <= k.stages * k.tma_bytes
+    fn = cutlass.cute.compile(k, *mc._fake_args_main(k),
+                              options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    assert k.storage_bytes == 232448                  # the traced struct (no sSum)
+    ptx = fn.artifacts.PTX
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3") == 36
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16") == 8 * 4
+    assert ptx.count("mbarrier.init.shared.b64") == 2 * 5          # full + empty per stage
+    bars = [(op, re.sub(r"%r\d+", "%r", arg))
+            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
+    want = [("sync", "0")] + [("sync", "%r, 128")] * 4 + [("sync", "3, 256")] * 3 \
+        + [("arrive", "3, 256")]
+    if ordered == "1":
+        want += [("sync", "%r, 256"), ("arrive", "%r, 256")]
+    assert sorted(bars) == sorted(want), bars
+    for st in ("ld.local", "st.local"):
+        assert st not in ptx, st
+    res = cubin_resources(fn.artifacts.CUBIN)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] <= 65536 // 384, res
+    print(f"swapab fp8 h_pad=32 5 stages (ordered={ordered}): {res}, smem {k.smem_bytes} B")
+    # its own compile-cache entry (the stage count is in the key)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "0")
+    five = mc.compile_main(True, 32, 64, core="swapab")
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_FP8_STAGES")
+    assert mc.compile_main(True, 32, 64, core="swapab") is not five
+
+
+def test_swapab_fp8_stages_switch_defaults(monkeypatch):
+    """PDSERVE_MLA_SWAPAB_FP8_STAGES unset: the GPU-verified stage counts; set, only fp8 h_pad 32
+    with two consumers needs the sSum alias; bf16 ignores it; out-of-range values are refused."""
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", raising=False)
+    for hp in (16, 32):
+        k = mc.kernel_config(True, hp, 64, core="swapab")
+        assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8[hp] + (False,)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "5")
+    k = mc.kernel_config(True, 16, 64, core="swapab")
+    assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8[16] + (False,)
+    k = mc.kernel_config(False, 32, 64, core="swapab")
+    assert not k.sum_on_max and k.stages == 2
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "1")
+    k = mc.kernel_config(True, 32, 64, core="swapab")
+    assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8_ONE[32] + (False,)
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_CONSUMERS")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "4")
+    k = mc.kernel_config(True, 32, 64, core="swapab")
+    assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8[32] + (False,)
+    for bad in ("1", "6"):
+        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", bad)
+        with pytest.raises(ValueError, match="fp8_stages"):
+            mc.kernel_config(True, 32, 64, core="swapab")
+
+
 def test_swapab_two_consumer_merge_model():
     """CPU mirror (torch) of the two-consumer split: consumer c runs the online softmax (base 2,
     scale s) over the tiles t_begin + c + 2 i, _merge_consumers' formula merges the two; equal to

@@ -1084,9 +1084,10 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
         # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
-        # ordered: PDSERVE_MLA_SWAPAB_ORDER)
+        # ordered: PDSERVE_MLA_SWAPAB_ORDER; stages: PDSERVE_MLA_SWAPAB_FP8_STAGES or the
+        # default)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               int(head_groups), k.consumers, k.ordered)
+               int(head_groups), k.consumers, k.ordered, k.stages)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:

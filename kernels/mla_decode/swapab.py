@@ -149,9 +149,9 @@ unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs)
     (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
     LDL / STL.
   * ring depth at h_pad 32: with each consumer holding one stage while it computes, 2 of the 4
-    stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage would
-    need sSum aliased onto sMax (safe: the last tile's sMax reads precede its P^T barrier) and
-    then comes to exactly 232,448 B = SMEM_LIMIT -- not done.
+    stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage needs
+    sSum aliased onto sMax and then comes to exactly 232,448 B = SMEM_LIMIT: implemented as an
+    opt-in, see "Fifth fp8 stage" below.
   * per tile and consumer the instruction stream is the single consumer's (same wgmma / cvt /
     ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
     (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
@@ -165,6 +165,48 @@ unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs)
   The ordered handshake (PDSERVE_MLA_SWAPAB_ORDER=1) was within 3 % of the free-running pair
   (faster at H = 12 B=64 L=8K, slower at H = 32), so it stays off. Next steps: a fifth fp8 stage
   at h_pad 32 (above), a smem-staged vectorized epilogue, stmatrix for P^T.
+
+Fifth fp8 stage at h_pad 32 with two consumers (OPT-IN, UNTESTED ON A GPU; compile-verified on
+the CPU only): PDSERVE_MLA_SWAPAB_FP8_STAGES=5 (or MlaDecodeSwapAbKernel(..., fp8_stages=5)).
+Unset, every variant keeps its stage count and its PTX is byte-identical to the GPU-verified
+kernel (PTX md5 of the 24 variants of /tmp/ptxcmp/dump.py unchanged); the stage count is part of
+the compile cache key. Values 2..5 are accepted for fp8 (bf16 ignores the variable); a depth that
+fits with the usual 4 KB slack just sets the stage count (h_pad 16 already has 5 with either
+consumer count, so 5 changes nothing there); at h_pad 32 with two consumers, 5 stages fit only
+with `sum_on_max`:
+  * what changes: the shared struct loses its sSum array (2 consumers x 4 warps x 32 heads fp32 =
+    1,024 B); consumer c's per-warp column sums [4, h_pad] live in its own column-max buffer 0,
+    sMax[c, 0, :, :]. Struct (exact; kernel_config.smem_bytes = struct_bytes() = the
+    allocator's "232448:1" smem memref in the IR): mbarriers 80 B + sMax 2,048 B, padded to
+    3,072 B, + Q_hi / Q_lo 36,864 + 2 P^T 8,192 + 5 x 36,864 ring = 232,448 B = SMEM_LIMIT, no
+    slack left (4 stages: 196,608 B exact, 199,680 reported with the slack). Registers: 168 at
+    launch, no spill stack (cubin); instruction counts as with 4 stages.
+  * why the alias is safe -- every access of sMax[c] / sSum[c] is by consumer c's own 128
+    threads (the producer warpgroup and the other consumer never touch consumer c's copy; the
+    merge passes consumer 1's data through the ring, not through sSum):
+      - fp8 Q scale (before the tile loop): lanes 0 write sMax[c, 0, warp, 0], barrier 1 + c,
+        every thread reads sMax[c, 0, 0..3, 0]; then each thread arrives at barrier 3 (Q stored).
+      - consumer tile k (buf = k % 2): lanes < 4 write sMax[c, buf, warp, heads], barrier 1 + c
+        (max), every thread reads sMax[c, buf, 0..3, col], writes P^T, barrier 1 + c (P^T), PV.
+        A thread arrives at the P^T barrier only after its own sMax reads and leaves it only
+        when all 128 have arrived, so once past the last tile's P^T barrier no thread of
+        consumer c reads either sMax buffer again.
+      - epilogue: lanes < 4 write sSum[c, warp, heads] (= sMax[c, 0, warp, heads]) after their
+        thread has passed the last tile's P^T barrier (PV and the column-sum shuffles in
+        between), barrier 1 + c, every thread reads sSum[c, 0..3, col] (_merge_consumers, before
+        barrier 3); nothing writes sMax[c] after that.
+      - a consumer with no tile (a 1-tile split: consumer 1): its last sMax reads are the Q
+        scale's, which precede its arrival at barrier 3 (Q stored); its sSum writes follow its
+        own passage of barrier 3. Its sums are 0 and its max -inf, as without the alias.
+    So every sSum write is ordered after every sMax read of the same consumer by a bar.sync
+    that all 128 of its threads take part in (WAR; bar.sync orders shared memory among its
+    participants), and the sSum reads follow the writes through barrier 1 + c (RAW), as before.
+    bf16 and the single consumer never alias.
+  * expected effect: 3 of the 5 stages free for loads in flight at h_pad 32 (was 2 of 4); the
+    H200 had fp8 H=32 at 44-69 % of the copy floor with 4 stages (H=12, 5 stages: 63-90 %).
+  * A/B in the next device session: tests/gpu/test_mla_decode_gpu.py -k five_stages, then
+    benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 --heads 32 with and
+    without PDSERVE_MLA_SWAPAB_FP8_STAGES=5 in front (separate --json files).
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
@@ -268,7 +310,8 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None):
+                 head_groups: int = 1, consumers: int | None = None,
+                 fp8_stages: int | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -314,6 +357,31 @@ class MlaDecodeSwapAbKernel:
         self.stages = min(max_stages, (SMEM_LIMIT - fixed) // per_stage)
         assert self.stages >= 2, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
+        # fp8 ring depth override (OPT-IN, UNTESTED ON A GPU: fp8_stages or
+        # PDSERVE_MLA_SWAPAB_FP8_STAGES=2..5; unset = the stage count above, the GPU-verified
+        # kernels). Where the requested depth does not fit with the 4 KB slack and there are two
+        # consumers (fp8 h_pad 32: 5 stages), each consumer's column sums live in its column-max
+        # buffer 0 (sum_on_max: no sSum array in the struct, see "fifth fp8 stage" in the module
+        # docstring) and smem_bytes is the exact struct size (232,448 B = SMEM_LIMIT at h_pad 32)
+        self.sum_on_max = False
+        if fp8_stages is None:
+            env = os.environ.get("PDSERVE_MLA_SWAPAB_FP8_STAGES", "")
+            fp8_stages = int(env) if env else None
+        if fp8_stages is not None and self.kv_fp8:
+            if not 2 <= fp8_stages <= MAX_STAGES_FP8:
+                raise ValueError(f"core 'swapab': fp8_stages must be 2..{MAX_STAGES_FP8}, "
+                                 f"got {fp8_stages}")
+            if fixed + fp8_stages * per_stage <= SMEM_LIMIT:
+                self.stages = fp8_stages
+                self.smem_bytes = fixed + self.stages * per_stage
+            else:
+                exact = self.struct_bytes(fp8_stages, consumers, h_pad, sum_on_max=True)
+                if consumers != 2 or exact > SMEM_LIMIT:
+                    raise ValueError(f"core 'swapab': {fp8_stages} fp8 stages do not fit at "
+                                     f"h_pad {h_pad} with {consumers} consumer(s)")
+                self.stages = fp8_stages
+                self.sum_on_max = True
+                self.smem_bytes = exact
         self.tma_bytes = per_stage
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
         # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
@@ -331,6 +399,42 @@ class MlaDecodeSwapAbKernel:
         self.pv_in_flight = 2
         self.pv_group = 4 if h_pad == 16 else 2
         self.consumer_regs = CONSUMER_REGS
+
+    @staticmethod
+    def struct_bytes(stages: int, consumers: int, h_pad: int, sum_on_max: bool = False,
+                     kv_fp8: bool = True) -> int:
+        """Exact byte size of the SharedStorage struct (_shared_storage) from a 1024-byte aligned
+        base: mbarriers (2 x stages x 8), sMax (align 16), sSum unless sum_on_max (align 16),
+        sQ, sP and the ring (each 1024-byte aligned)."""
+        def up(x, a):
+            return -(-x // a) * a
+        esize = 1 if kv_fp8 else 2
+        off = 2 * stages * 8
+        off = up(off, 16) + consumers * 2 * N_WARPS * h_pad * 4
+        if not sum_on_max:
+            off = up(off, 16) + consumers * N_WARPS * h_pad * 4
+        off = up(off, 1024) + h_pad * D_QK * 2      # Q (bf16; fp8: Q_hi + Q_lo)
+        off = up(off, 1024) + consumers * h_pad * TILE_N * 2           # P^T (16-bit)
+        off = up(off, 1024) + stages * TILE_N * D_QK * esize
+        return off
+
+    def _storage_sum_on_max(self, default, sQ_layout, sK_layout, sP_layout):
+        """The shared storage struct: `default` (the struct __call__ defines), or with
+        sum_on_max the same struct without sSum (the column sums live in sMax, see the module
+        docstring). Plain Python at trace time; the annotations are built as objects here (this
+        module's string annotations are resolved only inside the DSL's jit functions)."""
+        if not self.sum_on_max:
+            return default
+        hp, nc, stages = self.h_pad, self.consumers, self.stages
+        S = cute.struct
+        fields = {
+            "mbar": S.MemRange[cutlass.Int64, 2 * stages],
+            "sMax": S.Align[S.MemRange[Float32, nc * 2 * N_WARPS * hp], 16],
+            "sQ": S.Align[S.MemRange[self.qdt, cute.cosize(sQ_layout)], 1024],
+            "sP": S.Align[S.MemRange[self.cdt, nc * cute.cosize(sP_layout)], 1024],
+            "sK": S.Align[S.MemRange[self.kv_dtype, cute.cosize(sK_layout)], 1024],
+        }
+        return S(type("SharedStorageSumOnMax", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -421,6 +525,11 @@ class MlaDecodeSwapAbKernel:
             sP: cute.struct.Align[cute.struct.MemRange[cdt, nc * cute.cosize(sP_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kvt, cute.cosize(sK_layout)], 1024]
 
+        # fifth fp8 stage (opt-in, sum_on_max): the same struct without sSum
+        SharedStorage = self._storage_sum_on_max(SharedStorage, sQ_layout, sK_layout, sP_layout)
+        # (the struct's exact size, for the tests: struct_bytes models it)
+        self.storage_bytes = SharedStorage.size_in_bytes()
+
         # Q: gmem -> smem with cp.async, 16 bytes a copy, the 128 consumer threads
         copy_q = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
@@ -483,8 +592,14 @@ class MlaDecodeSwapAbKernel:
                 sMax = storage.sMax.get_tensor(cute.make_layout(
                     (nc, 2, N_WARPS, hp),
                     stride=(2 * N_WARPS * hp, N_WARPS * hp, hp, 1)))[cons, None, None, None]
-                sSum = storage.sSum.get_tensor(cute.make_layout(
-                    (nc, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))[cons, None, None]
+                if cutlass.const_expr(self.sum_on_max):
+                    # fifth fp8 stage (opt-in): consumer c's column sums [4 warps, hp] are its
+                    # column-max buffer 0 (sMax[c, 0]); safe, see the module docstring
+                    sSum = storage.sMax.get_tensor(cute.make_layout(
+                        (nc, N_WARPS, hp), stride=(2 * N_WARPS * hp, hp, 1)))[cons, None, None]
+                else:
+                    sSum = storage.sSum.get_tensor(cute.make_layout(
+                        (nc, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))[cons, None, None]
 
             producer, consumer = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
