@@ -324,6 +324,43 @@ def test_swapab_fp8_stages_switch_defaults(monkeypatch):
             mc.kernel_config(True, 32, 64, core="swapab")
 
 
+@pytest.mark.parametrize("h_pad,consumers,stages", [(32, "2", None), (16, "2", None),
+                                                     (32, "1", None), (32, "2", "5")])
+def test_swapab_fp8_vec_epilogue(h_pad, consumers, stages, monkeypatch, tmp_path):
+    """PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 (opt-in, UNTESTED ON A GPU): the fp8 epilogue writes each
+    head's 16 consecutive latent dims per thread with 16-byte stores: per column 4 st.global.v4
+    (fp32 partial) and 2 (bf16 output) instead of 16 + 16 scalar stores; no spill. The kernel's
+    trace asserts the 16 addresses of a column are contiguous (static layout)."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
+    if stages:
+        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", stages)
+    k = mc.kernel_config(True, h_pad, 64, core="swapab")
+    assert k.vec_epilogue and k.consumers == int(consumers)
+    assert not mc.kernel_config(False, h_pad, 64, core="swapab").vec_epilogue   # bf16: ignored
+    fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path))
+    ptx = fn.artifacts.PTX
+    stores = re.findall(r"\b(st\.global[.\w]*)", ptx)
+    n_cols = h_pad // 4
+    assert stores.count("st.global.v4.b32") == n_cols * (4 + 2), stores
+    assert "st.global.b16" not in stores                 # no scalar bf16 output stores left
+    # what is left scalar: the LSE (final / partial) and the empty split's LSE
+    assert stores.count("st.global.b32") <= 2 * n_cols + 1, stores
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    for st in ("ld.local", "st.local"):
+        assert st not in ptx, st
+    res = cubin_resources(fn.artifacts.CUBIN)
+    assert res["stack"] == 0, "register spills"
+    assert res["regs"] * k.num_threads <= 65536, res
+    print(f"swapab fp8 vec epilogue h_pad={h_pad} consumers={consumers} stages={k.stages}: "
+          f"{res}, smem {k.smem_bytes} B")
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE")
+    assert not mc.kernel_config(True, h_pad, 64, core="swapab").vec_epilogue
+    vec = mc.compile_main(True, h_pad, 64, core="swapab")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1")
+    assert mc.compile_main(True, h_pad, 64, core="swapab") is not vec      # own cache entry
+
+
 def test_swapab_two_consumer_merge_model():
     """CPU mirror (torch) of the two-consumer split: consumer c runs the online softmax (base 2,
     scale s) over the tiles t_begin + c + 2 i, _merge_consumers' formula merges the two; equal to

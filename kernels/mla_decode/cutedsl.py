@@ -1085,9 +1085,9 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
     elif core == "swapab":
         # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
         # ordered: PDSERVE_MLA_SWAPAB_ORDER; stages: PDSERVE_MLA_SWAPAB_FP8_STAGES or the
-        # default)
+        # default; vec_epilogue: PDSERVE_MLA_SWAPAB_VEC_EPILOGUE)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               int(head_groups), k.consumers, k.ordered, k.stages)
+               int(head_groups), k.consumers, k.ordered, k.stages, k.vec_epilogue)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:

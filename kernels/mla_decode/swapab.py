@@ -208,6 +208,33 @@ with `sum_on_max`:
     benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 --heads 32 with and
     without PDSERVE_MLA_SWAPAB_FP8_STAGES=5 in front (separate --json files).
 
+Vectorized fp8 epilogue (OPT-IN, UNTESTED ON A GPU; compile-verified on the CPU only):
+PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 (or MlaDecodeSwapAbKernel(..., vec_epilogue=True)); bf16
+caches ignore it; unset, the PTX of every variant is byte-identical to the GPU-verified kernel
+(part of the compile cache key). Any consumer count, any stage count.
+  * what changes: only the final O^T stores (_store_cols_vec). With DIM_PERM a thread's 16 O^T
+    rows of one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row
+    64 mb + 16 w + 8 r8 + g = dim 128 w + 16 g + 2 mb + r8), i.e. 64 contiguous bytes of the fp32
+    partial row [split, b, h, :] and 32 of the bf16 output row [b, h, :], 64 / 32-byte aligned
+    (rows are 2,048 / 1,024 bytes from a 16-byte aligned base). So per head column the thread
+    issues 4 st.global.v4.b32 (partials) or 2 (bf16 output) instead of 16 scalar stores: at
+    h_pad 32, 48 vector stores in the PTX instead of 128 st.global.b32 + 128 st.global.b16,
+    same bytes, same per-head predicate (heads >= H and consumer 1's predicated-off epilogue as
+    before). The addresses are those of the existing C partition (t_layout); the trace asserts
+    that a column's 16 addresses have unit stride (static layout) -- it fails on the bf16
+    path's layout, which is why bf16 is excluded. No staging through smem and no extra
+    barrier; no smem change. Registers: 168 at launch, no spill stack (h_pad 16 / 32, one or
+    two consumers, with the fifth stage).
+  * not done: full 128-byte lines per warp instruction. Each v4 instruction of a warp writes,
+    per head, 8 lanes x 16 bytes at a 64-byte stride (half of each 32-byte sector; the other
+    half comes with the next of the 4 stores), where the scalar code wrote 8 x 4 bytes at that
+    stride 16 times. A smem-staged (or TMA) store would make each instruction write whole lines;
+    measure this first.
+  * A/B in the next device session: tests/gpu/test_mla_decode_gpu.py -k vec_epilogue, then
+    benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 with and without
+    PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 in front (separate --json files); the epilogue is a small
+    share of long splits, so look at short contexts / many splits (B=1, B=8 L=8K-32K).
+
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
 b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
@@ -311,7 +338,7 @@ class MlaDecodeSwapAbKernel:
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
                  head_groups: int = 1, consumers: int | None = None,
-                 fp8_stages: int | None = None):
+                 fp8_stages: int | None = None, vec_epilogue: bool | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -399,6 +426,11 @@ class MlaDecodeSwapAbKernel:
         self.pv_in_flight = 2
         self.pv_group = 4 if h_pad == 16 else 2
         self.consumer_regs = CONSUMER_REGS
+        # fp8 epilogue with 16-byte vector stores (OPT-IN, UNTESTED ON A GPU: vec_epilogue or
+        # PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1; bf16 ignores it): see "Vectorized fp8 epilogue"
+        if vec_epilogue is None:
+            vec_epilogue = os.environ.get("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "0") == "1"
+        self.vec_epilogue = bool(vec_epilogue) and self.kv_fp8
 
     @staticmethod
     def struct_bytes(stages: int, consumers: int, h_pad: int, sum_on_max: bool = False,
@@ -888,9 +920,14 @@ class MlaDecodeSwapAbKernel:
                     tOgO = thr_pv.partition_C(gOt)
                     rO = cute.make_fragment_like(acc_O, BFloat16)
                     rO.store(acc_O.load().to(BFloat16))
-                    for i in cutlass.range_constexpr(cute.size(rO)):
-                        if tOcO[i][1] < heads_w:
-                            tOgO[i] = rO[i]
+                    if cutlass.const_expr(self.vec_epilogue):
+                        # (opt-in) per head, the thread's 16 consecutive latent dims as two
+                        # 16-byte stores (see "Vectorized fp8 epilogue" in the module docstring)
+                        self._store_cols_vec(rO, tOgO, tOcO, heads_w)
+                    else:
+                        for i in cutlass.range_constexpr(cute.size(rO)):
+                            if tOcO[i][1] < heads_w:
+                                tOgO[i] = rO[i]
                     if cwarp == 0 and lane < 4:
                         for c in cutlass.range_constexpr(n_cols):
                             col = tScS_mn[0, c][1]
@@ -899,14 +936,48 @@ class MlaDecodeSwapAbKernel:
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     tOgOp = thr_pv.partition_C(gOpt)
-                    for i in cutlass.range_constexpr(cute.size(acc_O)):
-                        if tOcO[i][1] < heads_w:
-                            tOgOp[i] = acc_O[i]
+                    if cutlass.const_expr(self.vec_epilogue):
+                        # (opt-in) per head, the thread's 16 consecutive latent dims (64 bytes)
+                        # as four 16-byte stores
+                        self._store_cols_vec(acc_O, tOgOp, tOcO, heads_w)
+                    else:
+                        for i in cutlass.range_constexpr(cute.size(acc_O)):
+                            if tOcO[i][1] < heads_w:
+                                tOgOp[i] = acc_O[i]
                     if cwarp == 0 and lane < 4:
                         for c in cutlass.range_constexpr(n_cols):
                             col = tScS_mn[0, c][1]
                             if col < heads_w:
                                 mLsep[split, b, col] = lse_c[c]
+
+    @cute.jit
+    def _store_cols_vec(self, src, dst, tOcO, heads_w):
+        """Vectorized fp8 epilogue (opt-in, vec_epilogue): src = the O^T fragment (fp32 acc_O or
+        its bf16 copy), dst = its C partition of the output / partial rows (t_layout with
+        DIM_PERM), tOcO its (row, head) coordinates. In the [rows, heads] view each column of a
+        thread is 16 elements of one head whose addresses are contiguous (O^T row
+        64 mb + 16 w + 8 r8 + g = dim 128 w + 16 g + 2 mb + r8 and the view's row index is
+        r8 + 2 mb: checked on the static layout at trace time) and start at dim 128 w + 16 g,
+        a multiple of 16 elements: 64 bytes (fp32) / 32 bytes (bf16) into a row whose start is
+        16-byte aligned (mla_decode_cutedsl asserts 16-byte aligned tensors; rows are 2,048 /
+        1,024 bytes). So each column is written with 16-byte vector stores (4 x st.global.v4.f32
+        / 2 x st.global.v4.b32) instead of 16 scalar stores, predicated per head as before."""
+        src_mn = self._mn_view(src)
+        dst_mn = self._mn_view(dst)
+        c_mn = self._mn_view(tOcO)
+        n_orows = cute.size(src_mn.shape[0])
+        assert n_orows == 16, n_orows
+        dt = src.element_type
+        for c in cutlass.range_constexpr(cute.size(src_mn.shape[1])):
+            col = dst_mn[None, c]
+            # the 16 rows of a column: unit stride in memory (static layout check)
+            assert cute.coalesce(col.layout) == cute.make_layout(16), col.layout
+            if c_mn[0, c][1] < heads_w:
+                vals = cute.make_rmem_tensor((16,), dt)
+                vals.store(src_mn[None, c].load())
+                ptr = cute.make_ptr(dt, col.iterator.toint(), cute.AddressSpace.gmem,
+                                    assumed_align=16)
+                cute.autovec_copy(vals, cute.make_tensor(ptr, cute.make_layout(16)))
 
     @cute.jit
     def _merge_consumers(self, cons, ring_addr, acc_O_mn, col_max, tScS_mn, sSum, lse_c, wtid,

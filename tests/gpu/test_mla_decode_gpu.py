@@ -192,6 +192,27 @@ def test_swapab_fp8_five_stages(order, num_splits, H, monkeypatch):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("H", [12, 32])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
+@pytest.mark.parametrize("variant", ["2", "1", "2-five-stages"])
+def test_swapab_fp8_vec_epilogue(variant, num_splits, H, monkeypatch):
+    """Candidate (UNTESTED ON A GPU when added): PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1, the fp8
+    epilogue's 16-byte vector stores (swapab.py, "Vectorized fp8 epilogue"): both epilogues
+    (bf16 output at 1 split, fp32 partials otherwise), one / two consumers, and with the fifth
+    stage. The outputs are NaN-poisoned by check(), so a missed store shows up."""
+    consumers, _, five = variant.partition("-")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
+    if five:
+        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "5")
+    check(CANDIDATE_LENS, H, True, num_splits=num_splits, core="swapab", head_groups=1)
+    check([8192 + 17], H, True, num_splits=num_splits, core="swapab", early_kv=True,
+          head_groups=1)
+    if H == 32:                     # H = 24 (h_pad 32, heads 24..31 padded: stores predicated)
+        check([1, 65, 3000], 24, True, num_splits=num_splits, core="swapab", head_groups=1)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("core", CORES)
 def test_cuda_graph_replay_matches_eager(core):
     from functools import partial
