@@ -204,9 +204,14 @@ with `sum_on_max`:
     bf16 and the single consumer never alias.
   * expected effect: 3 of the 5 stages free for loads in flight at h_pad 32 (was 2 of 4); the
     H200 had fp8 H=32 at 44-69 % of the copy floor with 4 stages (H=12, 5 stages: 63-90 %).
-  * A/B in the next device session: tests/gpu/test_mla_decode_gpu.py -k five_stages, then
-    benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 --heads 32 with and
-    without PDSERVE_MLA_SWAPAB_FP8_STAGES=5 in front (separate --json files).
+  * A/B in the next device session: pytest tests/gpu/test_mla_decode_gpu.py -k five_stages,
+    then
+      python benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 --heads 32 \
+        --json /tmp/mla_fp8_h32_base.json
+      PDSERVE_MLA_SWAPAB_FP8_STAGES=5 python benchmarks/mla_decode.py --core swapab \
+        --early-kv --no-sweep --kv fp8 --heads 32 --json /tmp/mla_fp8_h32_stages5.json
+    (cells with B x L <= 64K run as 2 head groups of 16 = h_pad 16, where the switch is a
+    no-op: compare B x L >= 128K).
 
 Vectorized fp8 epilogue (OPT-IN, UNTESTED ON A GPU; compile-verified on the CPU only):
 PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 (or MlaDecodeSwapAbKernel(..., vec_epilogue=True)); bf16
@@ -230,10 +235,15 @@ caches ignore it; unset, the PTX of every variant is byte-identical to the GPU-v
     half comes with the next of the 4 stores), where the scalar code wrote 8 x 4 bytes at that
     stride 16 times. A smem-staged (or TMA) store would make each instruction write whole lines;
     measure this first.
-  * A/B in the next device session: tests/gpu/test_mla_decode_gpu.py -k vec_epilogue, then
-    benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 with and without
-    PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 in front (separate --json files); the epilogue is a small
-    share of long splits, so look at short contexts / many splits (B=1, B=8 L=8K-32K).
+  * A/B in the next device session: pytest tests/gpu/test_mla_decode_gpu.py -k vec_epilogue,
+    then (base: the first command without the variable, as for the fifth stage, all H)
+      PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 python benchmarks/mla_decode.py --core swapab \
+        --early-kv --no-sweep --kv fp8 --json /tmp/mla_fp8_vec.json
+      PDSERVE_MLA_SWAPAB_FP8_STAGES=5 PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 python \
+        benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 \
+        --json /tmp/mla_fp8_stages5_vec.json
+    The epilogue is a small share of long splits: look at short contexts / many splits (B=1,
+    B=8 L=8K-32K).
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
