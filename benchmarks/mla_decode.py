@@ -5,20 +5,22 @@ microseconds per call (median of CUDA-graph replays; a graph holds K calls over 
 sets of one pool so that small problems do not sit in the 60 MB L2, and at least MIN_CALLS calls,
 so that the graph launch is not charged to one call) and achieved GB/s of latent
 bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy bandwidth.
-The split count is fixed before capture (choose_num_splits from B, L, H).
+The core, split count and head groups are fixed before capture (cutedsl.plan_call from B, L, H
+and the cache dtype) and recorded in each row.
 
-    python benchmarks/mla_decode.py [--json benchmarks/results/mla_decode_h200.json] [--quick]
-                                    [--core auto|mma|wgmma|swapab] [--early-kv] [--no-sweep]
-                                    [--kv both|bf16|fp8] [--heads 12,32]
+    python benchmarks/mla_decode.py [--json PATH] [--quick] [--no-sweep] [--early-kv]
+                                    [--core auto|mma|wgmma|swapab] [--kv both|bf16|fp8]
+                                    [--heads 12,32]
 
 PDSERVE_MLA_* environment switches (e.g. PDSERVE_MLA_SWAPAB_FP8_STAGES) go in front of the
 command and are recorded in the JSON ("env").
 
---core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell,
-recorded in each row); the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma",
-mla_decode_h200_wgmma.json for "wgmma", mla_decode_h200_swapab.json for "swapab" (bf16 and fp8
-cells; its fp8 path feeds fp16 wgmmas from the raw fp8 tile) and mla_decode_h200_auto.json for
-"auto".
+--core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell);
+the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma", and
+mla_decode_h200_<core>.json otherwise, with "_early_kv" appended under --early-kv. --early-kv
+lets the kernel read the cache before the PDL wait (the benchmark's previous kernel writes none
+of it). The swapab core's fp8 variant takes PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 from the
+environment (default 2).
 """
 from __future__ import annotations
 

@@ -536,7 +536,6 @@ def test_swapab_fp8_fragment_layouts():
 
 def _s_error(K, q, S):
     """|S - K q^T| relative to mean |K q^T| (float64 reference): (max, rms)."""
-    import torch
     ref = K.double() @ q.double().T
     e = (S - ref).abs() / ref.abs().mean()
     return e.max().item(), e.pow(2).mean().sqrt().item()

@@ -64,7 +64,6 @@ phases; see swapab.py).
 """
 from __future__ import annotations
 
-import math
 import os
 
 import cutlass
@@ -1009,8 +1008,6 @@ def _fake_args_main(k: MlaDecodeKernel):
     return (P(BFloat16), P(k.kv_dtype), P(Int32), P(Int32), P(BFloat16), P(Float32), P(Float32),
             P(Float32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1), Float32(1.0),
             Float32(1.0), make_fake_stream())
-
-
 
 
 # attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or

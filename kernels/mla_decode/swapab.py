@@ -768,7 +768,6 @@ class MlaDecodeSwapAbKernel:
                 acc_O_mn = self._mn_view(acc_O)
                 n_rows = cute.size(acc_S_mn.shape[0])       # 2 token rows
                 n_cols = cute.size(acc_S_mn.shape[1])       # hp / 4 heads
-                n_orows = cute.size(acc_O_mn.shape[0])      # 16 latent dims
                 col_max = cute.make_rmem_tensor((n_cols,), Float32)
                 col_sum = cute.make_rmem_tensor((n_cols,), Float32)    # this thread's rows only
                 col_max.fill(-Float32.inf)
