@@ -10,7 +10,8 @@ and the cache dtype) and recorded in each row.
 
     python benchmarks/mla_decode.py [--json PATH] [--quick] [--no-sweep] [--early-kv]
                                     [--core auto|mma|wgmma|swapab] [--kv both|bf16|fp8]
-                                    [--heads 12,32]
+                                    [--heads 12,32] [--batch 1,8,64]
+                                    [--ctx 1024,8192,32768,131072]
 
 PDSERVE_MLA_* environment switches (e.g. PDSERVE_MLA_SWAPAB_FP8_STAGES) go in front of the
 command and are recorded in the JSON ("env").
@@ -116,6 +117,9 @@ def main(argv=None):
     ap.add_argument("--kv", default="both", choices=("both", "bf16", "fp8"),
                     help="cache dtypes to run (A/B runs of an fp8-only switch: fp8)")
     ap.add_argument("--heads", default="12,32", help="comma-separated head counts (default 12,32)")
+    ap.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes (default 1,8,64)")
+    ap.add_argument("--ctx", default="1024,8192,32768,131072",
+                    help="comma-separated context lengths (default 1024,8192,32768,131072)")
     args = ap.parse_args(argv)
     import cutlass
     from pdserve.kernels.mla_decode.cutedsl import CORE
@@ -123,7 +127,8 @@ def main(argv=None):
     if args.json is None:
         args.json = ("benchmarks/results/mla_decode_h200" + ("" if core == "mma" else f"_{core}")
                      + ("_early_kv" if args.early_kv else "") + ".json")
-    Bs, Ls = (1, 8, 64), (1024, 8192, 32768, 131072)
+    Bs = tuple(int(b) for b in args.batch.split(","))
+    Ls = tuple(int(n) for n in args.ctx.split(","))
     Hs = tuple(int(h) for h in args.heads.split(","))
     if args.quick:
         Bs, Ls = (1, 64), (8192, 131072)

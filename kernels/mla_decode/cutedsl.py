@@ -1082,9 +1082,10 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
     elif core == "swapab":
         # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
         # ordered: PDSERVE_MLA_SWAPAB_ORDER; stages: PDSERVE_MLA_SWAPAB_FP8_STAGES or the
-        # default; vec_epilogue: PDSERVE_MLA_SWAPAB_VEC_EPILOGUE)
+        # default; vec_epilogue: PDSERVE_MLA_SWAPAB_VEC_EPILOGUE; pv_*: PDSERVE_MLA_SWAPAB_PV)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               int(head_groups), k.consumers, k.ordered, k.stages, k.vec_epilogue)
+               int(head_groups), k.consumers, k.ordered, k.stages, k.vec_epilogue,
+               k.pv_group, k.pv_in_flight, k.pv_prefetch)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
@@ -1100,7 +1101,12 @@ COMBINE_WIDE_MIN_SPLITS = 32
 
 
 def choose_combine(num_splits: int) -> tuple[int, int]:
-    return COMBINE_WIDE if num_splits >= COMBINE_WIDE_MIN_SPLITS else COMBINE_NARROW
+    if num_splits >= COMBINE_WIDE_MIN_SPLITS:
+        return COMBINE_WIDE
+    few = os.environ.get("PDSERVE_MLA_COMBINE_FEW", "")     # A/B: "chunks,groups" at <= 8 splits
+    if few and num_splits <= CombineKernel.unroll:
+        return tuple(int(x) for x in few.split(","))
+    return COMBINE_NARROW
 
 
 def compile_combine(shape: tuple[int, int] = COMBINE_NARROW):

@@ -435,11 +435,19 @@ class MlaDecodeSwapAbKernel:
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
         self.pv_in_flight = 2
         self.pv_group = 4 if h_pad == 16 else 2
+        self.pv_prefetch = False
+        # A/B switch: PDSERVE_MLA_SWAPAB_PV="group,in_flight,prefetch" (e.g. "2,3,1")
+        env = os.environ.get("PDSERVE_MLA_SWAPAB_PV", "")
+        if env and self.kv_fp8:
+            g, f, pf = (int(x) for x in env.split(","))
+            if g not in (1, 2, 4, 8) or not 1 <= f <= 8:
+                raise ValueError(f"PDSERVE_MLA_SWAPAB_PV={env!r}: group 1|2|4|8, in_flight 1..8")
+            self.pv_group, self.pv_in_flight, self.pv_prefetch = g, f, bool(pf)
         self.consumer_regs = CONSUMER_REGS
         # fp8 epilogue with 16-byte vector stores (OPT-IN, UNTESTED ON A GPU: vec_epilogue or
         # PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1; bf16 ignores it): see "Vectorized fp8 epilogue"
         if vec_epilogue is None:
-            vec_epilogue = os.environ.get("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "0") == "1"
+            vec_epilogue = os.environ.get("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1") == "1"
         self.vec_epilogue = bool(vec_epilogue) and self.kv_fp8
 
     @staticmethod
@@ -816,6 +824,11 @@ class MlaDecodeSwapAbKernel:
                                 cute.arch.barrier(barrier_id=BAR_ORDER + cons,
                                                   number_of_threads=256)
                         self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
+                        vw_first = None
+                        if cutlass.const_expr(self.pv_prefetch):
+                            # PV's first V words, loaded now: their latency hides behind the
+                            # softmax
+                            vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
                         if cutlass.const_expr(self.ordered):
                             if t + 1 < t_end:
                                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cons,
@@ -881,7 +894,7 @@ class MlaDecodeSwapAbKernel:
                         # A = V^T gathered and widened in registers; the stage is released
                         # after its last fragment load, before the last wgmma group retires
                         self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
-                                     seqlen - t * TILE_N, h)
+                                     seqlen - t * TILE_N, h, vw_first)
                     else:
                         sV = cute.make_tensor(sK[None, None, kstage].iterator, sV_layout.outer)
                         tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sV))    # (MMA, 8, 4)
@@ -1154,22 +1167,35 @@ class MlaDecodeSwapAbKernel:
         if self.qk_promote:
             acc_S.store(acc_S.load() + acc_T[(QK_CHUNKS - 2) % 2].load())
 
-    def _fp8_pv(self, pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff, n_valid, h):
+    @staticmethod
+    def _fp8_v_words(vbase, ks):
+        """The raw V words of k-step ks: four 16-byte loads (j = jp + 2 jh), see _fp8_pv."""
+        return [MlaDecodeKernel._lds_u32(vbase[j % 2] + (1024 * ks + 512 * (j // 2)), 4)
+                for j in range(4)]
+
+    def _fp8_pv(self, pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff, n_valid, h,
+                vw_first=None):
         """O^T += V^T P^T with A = V^T gathered and widened in registers: per 16-token k-step
         four 16-byte loads (tokens past the end -> 0: their bytes may be NaN encodings and
         p = 0 there), prmt pairs the bytes of tokens (k, k + 1) and one cvt widens each pair;
-        two wgmma groups of 4 M blocks (16 A registers each) per k-step, at most 2 in flight.
+        8 / pv_group wgmma groups of pv_group M blocks (4 pv_group A registers each) per k-step,
+        at most pv_in_flight in flight. With pv_prefetch the caller passes k-step 0's words
+        (vw_first, loaded before the softmax) and k-step ks + 1's loads are issued before
+        k-step ks's wgmmas, so no load latency sits between two wgmma groups.
         The stage is released once every load of the tile has been consumed."""
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         lim = [n_valid - v_tok[jp] for jp in range(2)]
         vbase = [v_addr[jp] + soff for jp in range(2)]
+        raw = vw_first if vw_first is not None else self._fp8_v_words(vbase, 0)
         for ks in range(TILE_N // 16):
             vw = []
             for j in range(4):
                 jp, jh = j % 2, j // 2
-                w = MlaDecodeKernel._lds_u32(vbase[jp] + (1024 * ks + 512 * jh), 4)
                 ok = lim[jp] > 16 * ks + 8 * jh       # token v_tok[jp] + 16 ks + 8 jh < n_valid
-                vw.append([Int32(cutlass.select_(ok, w[i], Int32(0))) for i in range(4)])
+                vw.append([Int32(cutlass.select_(ok, raw[j][i], Int32(0))) for i in range(4)])
+            if ks + 1 < TILE_N // 16:
+                if cutlass.const_expr(self.pv_prefetch):
+                    raw = self._fp8_v_words(vbase, ks + 1)
             gb = self.pv_group
             for half in range(8 // gb):
                 rA = thr_pv.make_fragment_A(thr_pv.partition_shape_A((64 * gb, 16)))  # (8, gb, 1)
@@ -1192,6 +1218,9 @@ class MlaDecodeSwapAbKernel:
                 cute.gemm(pv_mma, acc, rA[None, None, 0], tOrP[None, None, ks], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(self.pv_in_flight - 1)
+            if ks + 1 < TILE_N // 16:
+                if cutlass.const_expr(not self.pv_prefetch):
+                    raw = self._fp8_v_words(vbase, ks + 1)
         warpgroup.wait_group(0)
 
     # ------------------------------------------------------------------------------------------
