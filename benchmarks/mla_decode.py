@@ -13,7 +13,7 @@ and the cache dtype) and recorded in each row.
                                     [--heads 12,32] [--batch 1,8,64]
                                     [--ctx 1024,8192,32768,131072]
 
-PDSERVE_MLA_* environment switches (e.g. PDSERVE_MLA_SWAPAB_FP8_STAGES) go in front of the
+PDSERVE_MLA_* environment switches (e.g. PDSERVE_MLA_SWAPAB_PV) go in front of the
 command and are recorded in the JSON ("env").
 
 --core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell);

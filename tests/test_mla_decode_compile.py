@@ -259,85 +259,21 @@ def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
     assert res["regs"] <= 65536 // 384, res
 
 
-@pytest.mark.parametrize("ordered", ["0", "1"])
-def test_swapab_fp8_five_stages(ordered, monkeypatch, tmp_path):
-    """PDSERVE_MLA_SWAPAB_FP8_STAGES=5 (opt-in, UNTESTED ON A GPU): fp8 h_pad 32 with two
-    consumers gets a fifth ring stage by keeping the column sums in sMax buffer 0 (no sSum in the
-    struct), exactly SMEM_LIMIT; same instruction stream, 10 mbarriers, no spill."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "5")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", ordered)
-    from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
-    k = mc.kernel_config(True, 32, 64, core="swapab")
-    assert k.consumers == 2 and k.stages == 5 and k.sum_on_max
-    assert k.smem_bytes == MlaDecodeSwapAbKernel.struct_bytes(5, 2, 32, True) == 232448
-    assert k.smem_bytes <= mc.SMEM_LIMIT
-    assert k.merge_bytes <= k.stages * k.tma_bytes
-    fn = cutlass.cute.compile(k, *mc._fake_args_main(k),
-                              options=f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
-    assert k.storage_bytes == 232448                  # the traced struct (no sSum)
-    ptx = fn.artifacts.PTX
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3") == 36
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16") == 8 * 4
-    assert ptx.count("mbarrier.init.shared.b64") == 2 * 5          # full + empty per stage
-    bars = [(op, re.sub(r"%r\d+", "%r", arg))
-            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
-    want = [("sync", "0")] + [("sync", "%r, 128")] * 4 + [("sync", "3, 256")] * 3 \
-        + [("arrive", "3, 256")]
-    if ordered == "1":
-        want += [("sync", "%r, 256"), ("arrive", "%r, 256")]
-    assert sorted(bars) == sorted(want), bars
-    for st in ("ld.local", "st.local"):
-        assert st not in ptx, st
-    res = cubin_resources(fn.artifacts.CUBIN)
-    assert res["stack"] == 0, "register spills"
-    assert res["regs"] <= 65536 // 384, res
-    print(f"swapab fp8 h_pad=32 5 stages (ordered={ordered}): {res}, smem {k.smem_bytes} B")
-    # its own compile-cache entry (the stage count is in the key)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "0")
-    five = mc.compile_main(True, 32, 64, core="swapab")
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_FP8_STAGES")
-    assert mc.compile_main(True, 32, 64, core="swapab") is not five
-
-
-def test_swapab_fp8_stages_switch_defaults(monkeypatch):
-    """PDSERVE_MLA_SWAPAB_FP8_STAGES unset: the GPU-verified stage counts; set, only fp8 h_pad 32
-    with two consumers needs the sSum alias; bf16 ignores it; out-of-range values are refused."""
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", raising=False)
-    for hp in (16, 32):
-        k = mc.kernel_config(True, hp, 64, core="swapab")
-        assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8[hp] + (False,)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "5")
-    k = mc.kernel_config(True, 16, 64, core="swapab")
-    assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8[16] + (False,)
-    k = mc.kernel_config(False, 32, 64, core="swapab")
-    assert not k.sum_on_max and k.stages == 2
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "1")
-    k = mc.kernel_config(True, 32, 64, core="swapab")
-    assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8_ONE[32] + (False,)
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_CONSUMERS")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "4")
-    k = mc.kernel_config(True, 32, 64, core="swapab")
-    assert (k.stages, k.smem_bytes, k.sum_on_max) == SWAPAB_FP8[32] + (False,)
-    for bad in ("1", "6"):
-        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", bad)
-        with pytest.raises(ValueError, match="fp8_stages"):
-            mc.kernel_config(True, 32, 64, core="swapab")
-
-
-@pytest.mark.parametrize("h_pad,consumers,stages", [(32, "2", None), (16, "2", None),
-                                                     (32, "1", None), (32, "2", "5")])
-def test_swapab_fp8_vec_epilogue(h_pad, consumers, stages, monkeypatch, tmp_path):
-    """PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 (opt-in, UNTESTED ON A GPU): the fp8 epilogue writes each
-    head's 16 consecutive latent dims per thread with 16-byte stores: per column 4 st.global.v4
-    (fp32 partial) and 2 (bf16 output) instead of 16 + 16 scalar stores; no spill. The kernel's
-    trace asserts the 16 addresses of a column are contiguous (static layout)."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1")
+@pytest.mark.parametrize("h_pad,consumers", [(32, "2"), (16, "2"), (32, "1")])
+def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
+    """fp8 swapab: the epilogue writes each head's 16 consecutive latent dims per thread with
+    16-byte stores (per column 4 st.global.v4 for the fp32 partial and 2 for the bf16 output, no
+    scalar output stores; the kernel's trace asserts the 16 addresses are contiguous); PV loads
+    each k-step's V words one k-step ahead (the first before the softmax) in groups of
+    (4, 2 in flight) at h_pad 16 and (2, 3 in flight) at 32 (one consumer at 32: per k-step,
+    (2, 2)); no spill."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
-    if stages:
-        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", stages)
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_PV", raising=False)
     k = mc.kernel_config(True, h_pad, 64, core="swapab")
-    assert k.vec_epilogue and k.consumers == int(consumers)
-    assert not mc.kernel_config(False, h_pad, 64, core="swapab").vec_epilogue   # bf16: ignored
+    assert k.consumers == int(consumers)
+    single_32 = consumers == "1" and h_pad == 32       # no prefetch there (it would spill)
+    assert (k.pv_group, k.pv_in_flight, k.pv_prefetch) == (
+        (4, 2, True) if h_pad == 16 else (2, 2, False) if single_32 else (2, 3, True))
     fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path))
     ptx = fn.artifacts.PTX
     stores = re.findall(r"\b(st\.global[.\w]*)", ptx)
@@ -347,18 +283,20 @@ def test_swapab_fp8_vec_epilogue(h_pad, consumers, stages, monkeypatch, tmp_path
     # what is left scalar: the LSE (final / partial) and the empty split's LSE
     assert stores.count("st.global.b32") <= 2 * n_cols + 1, stores
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k16.f32.f16.f16") == 8 * 4
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+    assert waits.count(str(k.pv_in_flight - 1)) >= 4 * 8 // k.pv_group - 1, waits
     for st in ("ld.local", "st.local"):
         assert st not in ptx, st
     res = cubin_resources(fn.artifacts.CUBIN)
     assert res["stack"] == 0, "register spills"
     assert res["regs"] * k.num_threads <= 65536, res
-    print(f"swapab fp8 vec epilogue h_pad={h_pad} consumers={consumers} stages={k.stages}: "
-          f"{res}, smem {k.smem_bytes} B")
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE")
-    assert not mc.kernel_config(True, h_pad, 64, core="swapab").vec_epilogue
-    vec = mc.compile_main(True, h_pad, 64, core="swapab")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1")
-    assert mc.compile_main(True, h_pad, 64, core="swapab") is not vec      # own cache entry
+    # the A/B override has its own cache entry
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PV", "2,2")
+    assert (mc.kernel_config(True, h_pad, 64, core="swapab").pv_in_flight) == 2
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PV", "3,2")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PV"):
+        mc.kernel_config(True, h_pad, 64, core="swapab")
 
 
 def test_swapab_two_consumer_merge_model():
@@ -608,8 +546,12 @@ def test_swapab_fp8_q_split_numerics():
 
 
 def test_combine_kernel_compiles():
-    for shape in (mc.COMBINE_NARROW, mc.COMBINE_WIDE):
+    for shape in (mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_WIDE):
         assert mc.compile_combine(shape) is mc.compile_combine(shape)
+    # one group while every split is among a thread's first UNROLL partial loads
+    assert [mc.choose_combine(n) for n in (2, 8, 9, 31, 32, 300)] == [
+        mc.COMBINE_FEW, mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_NARROW, mc.COMBINE_WIDE,
+        mc.COMBINE_WIDE]
 
 
 @pytest.mark.parametrize("B,L,H", [(1, 1, 12), (1, 8192, 32), (64, 131072, 32), (8, 1000, 12)])

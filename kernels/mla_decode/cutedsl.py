@@ -1081,11 +1081,9 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
         # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
-        # ordered: PDSERVE_MLA_SWAPAB_ORDER; stages: PDSERVE_MLA_SWAPAB_FP8_STAGES or the
-        # default; vec_epilogue: PDSERVE_MLA_SWAPAB_VEC_EPILOGUE; pv_*: PDSERVE_MLA_SWAPAB_PV)
+        # ordered: PDSERVE_MLA_SWAPAB_ORDER; the fp8 PV grouping: PDSERVE_MLA_SWAPAB_PV)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               int(head_groups), k.consumers, k.ordered, k.stages, k.vec_epilogue,
-               k.pv_group, k.pv_in_flight, k.pv_prefetch)
+               int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
@@ -1095,18 +1093,19 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
 
 # combine shapes (column chunks, groups): few splits read little per (request, head); many splits
 # (B = 1 long contexts) spread each head over 4 CTAs of 16 groups
+COMBINE_FEW = (1, 1)
 COMBINE_NARROW = (1, 4)
 COMBINE_WIDE = (4, 16)
 COMBINE_WIDE_MIN_SPLITS = 32
 
 
 def choose_combine(num_splits: int) -> tuple[int, int]:
+    """(column chunks, split groups) of the combine: one group when every split's partial is among
+    a thread's first UNROLL loads (H200, session 7, B=64 L=8K with 2 splits: fp8 H=12 89.3 ->
+    83.2 us, H=32 123.1 -> 109.7, bf16 H=32 159.8 -> 149.0 against 4 groups, of which 2 idle)."""
     if num_splits >= COMBINE_WIDE_MIN_SPLITS:
         return COMBINE_WIDE
-    few = os.environ.get("PDSERVE_MLA_COMBINE_FEW", "")     # A/B: "chunks,groups" at <= 8 splits
-    if few and num_splits <= CombineKernel.unroll:
-        return tuple(int(x) for x in few.split(","))
-    return COMBINE_NARROW
+    return COMBINE_FEW if num_splits <= CombineKernel.unroll else COMBINE_NARROW
 
 
 def compile_combine(shape: tuple[int, int] = COMBINE_NARROW):

@@ -149,9 +149,9 @@ unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs)
     (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
     LDL / STL.
   * ring depth at h_pad 32: with each consumer holding one stage while it computes, 2 of the 4
-    stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage needs
-    sSum aliased onto sMax and then comes to exactly 232,448 B = SMEM_LIMIT: implemented as an
-    opt-in, see "Fifth fp8 stage" below.
+    stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage (sSum
+    aliased onto sMax, exactly 232,448 B = SMEM_LIMIT) ran on the H200 in session 7 and was
+    within 1 % of four stages in every fp8 cell; it was dropped.
   * per tile and consumer the instruction stream is the single consumer's (same wgmma / cvt /
     ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
     (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
@@ -163,87 +163,30 @@ unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs)
       H=32: B=8 L=32K 92.1 -> 81.7 (44 %), B=8 L=128K 262.0 -> 220.3 (65 %), B=64 L=8K 162.4 ->
             143.7 (49 %), B=64 L=32K 497.1 -> 413.4 (69 %), B=64 L=128K 1954.7 -> 1719.2 (66 %)
   The ordered handshake (PDSERVE_MLA_SWAPAB_ORDER=1) was within 3 % of the free-running pair
-  (faster at H = 12 B=64 L=8K, slower at H = 32), so it stays off. Next steps: a fifth fp8 stage
-  at h_pad 32 (above), a smem-staged vectorized epilogue, stmatrix for P^T.
+  (faster at H = 12 B=64 L=8K, slower at H = 32), so it stays off.
 
-Fifth fp8 stage at h_pad 32 with two consumers (OPT-IN, UNTESTED ON A GPU; compile-verified on
-the CPU only): PDSERVE_MLA_SWAPAB_FP8_STAGES=5 (or MlaDecodeSwapAbKernel(..., fp8_stages=5)).
-Unset, every variant keeps its stage count and its PTX is byte-identical to the GPU-verified
-kernel (PTX md5 of the 24 variants of /tmp/ptxcmp/dump.py unchanged); the stage count is part of
-the compile cache key. Values 2..5 are accepted for fp8 (bf16 ignores the variable); a depth that
-fits with the usual 4 KB slack just sets the stage count (h_pad 16 already has 5 with either
-consumer count, so 5 changes nothing there); at h_pad 32 with two consumers, 5 stages fit only
-with `sum_on_max`:
-  * what changes: the shared struct loses its sSum array (2 consumers x 4 warps x 32 heads fp32 =
-    1,024 B); consumer c's per-warp column sums [4, h_pad] live in its own column-max buffer 0,
-    sMax[c, 0, :, :]. Struct (exact; kernel_config.smem_bytes = struct_bytes() = the
-    allocator's "232448:1" smem memref in the IR): mbarriers 80 B + sMax 2,048 B, padded to
-    3,072 B, + Q_hi / Q_lo 36,864 + 2 P^T 8,192 + 5 x 36,864 ring = 232,448 B = SMEM_LIMIT, no
-    slack left (4 stages: 196,608 B exact, 199,680 reported with the slack). Registers: 168 at
-    launch, no spill stack (cubin); instruction counts as with 4 stages.
-  * why the alias is safe -- every access of sMax[c] / sSum[c] is by consumer c's own 128
-    threads (the producer warpgroup and the other consumer never touch consumer c's copy; the
-    merge passes consumer 1's data through the ring, not through sSum):
-      - fp8 Q scale (before the tile loop): lanes 0 write sMax[c, 0, warp, 0], barrier 1 + c,
-        every thread reads sMax[c, 0, 0..3, 0]; then each thread arrives at barrier 3 (Q stored).
-      - consumer tile k (buf = k % 2): lanes < 4 write sMax[c, buf, warp, heads], barrier 1 + c
-        (max), every thread reads sMax[c, buf, 0..3, col], writes P^T, barrier 1 + c (P^T), PV.
-        A thread arrives at the P^T barrier only after its own sMax reads and leaves it only
-        when all 128 have arrived, so once past the last tile's P^T barrier no thread of
-        consumer c reads either sMax buffer again.
-      - epilogue: lanes < 4 write sSum[c, warp, heads] (= sMax[c, 0, warp, heads]) after their
-        thread has passed the last tile's P^T barrier (PV and the column-sum shuffles in
-        between), barrier 1 + c, every thread reads sSum[c, 0..3, col] (_merge_consumers, before
-        barrier 3); nothing writes sMax[c] after that.
-      - a consumer with no tile (a 1-tile split: consumer 1): its last sMax reads are the Q
-        scale's, which precede its arrival at barrier 3 (Q stored); its sSum writes follow its
-        own passage of barrier 3. Its sums are 0 and its max -inf, as without the alias.
-    So every sSum write is ordered after every sMax read of the same consumer by a bar.sync
-    that all 128 of its threads take part in (WAR; bar.sync orders shared memory among its
-    participants), and the sSum reads follow the writes through barrier 1 + c (RAW), as before.
-    bf16 and the single consumer never alias.
-  * expected effect: 3 of the 5 stages free for loads in flight at h_pad 32 (was 2 of 4); the
-    H200 had fp8 H=32 at 44-69 % of the copy floor with 4 stages (H=12, 5 stages: 63-90 %).
-  * A/B in the next device session: pytest tests/gpu/test_mla_decode_gpu.py -k five_stages,
-    then
-      python benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 --heads 32 \
-        --json /tmp/mla_fp8_h32_base.json
-      PDSERVE_MLA_SWAPAB_FP8_STAGES=5 python benchmarks/mla_decode.py --core swapab \
-        --early-kv --no-sweep --kv fp8 --heads 32 --json /tmp/mla_fp8_h32_stages5.json
-    (cells with B x L <= 64K run as 2 head groups of 16 = h_pad 16, where the switch is a
-    no-op: compare B x L >= 128K).
+fp8 epilogue, 16-byte vector stores (_store_cols_vec): with DIM_PERM a thread's 16 O^T rows of
+one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb + 16 w + 8 r8 + g
+= dim 128 w + 16 g + 2 mb + r8), i.e. 64 contiguous bytes of the fp32 partial row
+[split, b, h, :] and 32 of the bf16 output row [b, h, :], 64 / 32-byte aligned (rows are 2,048 /
+1,024 bytes from a 16-byte aligned base). Per head column the thread issues 4 st.global.v4.b32
+(partials) or 2 (bf16 output); at h_pad 32, 48 vector stores instead of 128 st.global.b32 +
+128 st.global.b16 (the scalar stores wrote 4 bytes per 32-byte sector: the DIM_PERM rows of 8
+lanes are 16 dims apart). The trace asserts that a column's 16 addresses have unit stride (the
+bf16 path's rows are not contiguous, it keeps scalar stores, which fill whole sectors there).
+H200, session 7 (fp8, early_kv, `ab_base` vs `ab_vec` in mla_decode_h200_session7_ab.json):
+H=12 B=8 L=32K 56.7 -> 48.4 us, B=64 L=8K 97.7 -> 91.5; H=32 B=1 L=8K 23.6 -> 13.5,
+B=8 L=32K 81.1 -> 62.4, B=64 L=8K 144.8 -> 128.0; the long cells within 1 %.
 
-Vectorized fp8 epilogue (OPT-IN, UNTESTED ON A GPU; compile-verified on the CPU only):
-PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 (or MlaDecodeSwapAbKernel(..., vec_epilogue=True)); bf16
-caches ignore it; unset, the PTX of every variant is byte-identical to the GPU-verified kernel
-(part of the compile cache key). Any consumer count, any stage count.
-  * what changes: only the final O^T stores (_store_cols_vec). With DIM_PERM a thread's 16 O^T
-    rows of one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row
-    64 mb + 16 w + 8 r8 + g = dim 128 w + 16 g + 2 mb + r8), i.e. 64 contiguous bytes of the fp32
-    partial row [split, b, h, :] and 32 of the bf16 output row [b, h, :], 64 / 32-byte aligned
-    (rows are 2,048 / 1,024 bytes from a 16-byte aligned base). So per head column the thread
-    issues 4 st.global.v4.b32 (partials) or 2 (bf16 output) instead of 16 scalar stores: at
-    h_pad 32, 48 vector stores in the PTX instead of 128 st.global.b32 + 128 st.global.b16,
-    same bytes, same per-head predicate (heads >= H and consumer 1's predicated-off epilogue as
-    before). The addresses are those of the existing C partition (t_layout); the trace asserts
-    that a column's 16 addresses have unit stride (static layout) -- it fails on the bf16
-    path's layout, which is why bf16 is excluded. No staging through smem and no extra
-    barrier; no smem change. Registers: 168 at launch, no spill stack (h_pad 16 / 32, one or
-    two consumers, with the fifth stage).
-  * not done: full 128-byte lines per warp instruction. Each v4 instruction of a warp writes,
-    per head, 8 lanes x 16 bytes at a 64-byte stride (half of each 32-byte sector; the other
-    half comes with the next of the 4 stores), where the scalar code wrote 8 x 4 bytes at that
-    stride 16 times. A smem-staged (or TMA) store would make each instruction write whole lines;
-    measure this first.
-  * A/B in the next device session: pytest tests/gpu/test_mla_decode_gpu.py -k vec_epilogue,
-    then (base: the first command without the variable, as for the fifth stage, all H)
-      PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 python benchmarks/mla_decode.py --core swapab \
-        --early-kv --no-sweep --kv fp8 --json /tmp/mla_fp8_vec.json
-      PDSERVE_MLA_SWAPAB_FP8_STAGES=5 PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1 python \
-        benchmarks/mla_decode.py --core swapab --early-kv --no-sweep --kv fp8 \
-        --json /tmp/mla_fp8_stages5_vec.json
-    The epilogue is a small share of long splits: look at short contexts / many splits (B=1,
-    B=8 L=8K-32K).
+fp8 PV pipelining (pv_group, pv_in_flight; V-load prefetch): the first k-step's V words are
+loaded right after S^T retires (their latency hides behind the softmax) and k-step ks + 1's
+before k-step ks's wgmmas. h_pad 16: groups of 4 M blocks, 2 in flight; h_pad 32: groups of 2,
+3 in flight (2 in flight with the prefetch left a 24-byte spill stack in the cubin; 4 or more
+in flight were ~20 % slower on the H200). The single consumer and the ordered pair at h_pad 32 (both
+opt-in) spill with the prefetch and keep per-k-step loads, 2 groups of 2 in flight. H200, session 7 (mla_decode_h200_session7_ab.json,
+`pv12_*` / `pv32_*`): H=12 B=8 L=32K 49.5 -> 47.0 us, B=64 L=8K 88.6 -> 86.0, B=64 L=32K
+308.1 -> 297.0; H=32 B=8 L=32K 63.0 -> 61.0, B=64 L=8K 122.0 -> 119.5. PDSERVE_MLA_SWAPAB_PV=
+"group,in_flight" overrides the pair for A/B runs.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
@@ -347,8 +290,7 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None,
-                 fp8_stages: int | None = None, vec_epilogue: bool | None = None):
+                 head_groups: int = 1, consumers: int | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -394,31 +336,6 @@ class MlaDecodeSwapAbKernel:
         self.stages = min(max_stages, (SMEM_LIMIT - fixed) // per_stage)
         assert self.stages >= 2, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
-        # fp8 ring depth override (OPT-IN, UNTESTED ON A GPU: fp8_stages or
-        # PDSERVE_MLA_SWAPAB_FP8_STAGES=2..5; unset = the stage count above, the GPU-verified
-        # kernels). Where the requested depth does not fit with the 4 KB slack and there are two
-        # consumers (fp8 h_pad 32: 5 stages), each consumer's column sums live in its column-max
-        # buffer 0 (sum_on_max: no sSum array in the struct, see "fifth fp8 stage" in the module
-        # docstring) and smem_bytes is the exact struct size (232,448 B = SMEM_LIMIT at h_pad 32)
-        self.sum_on_max = False
-        if fp8_stages is None:
-            env = os.environ.get("PDSERVE_MLA_SWAPAB_FP8_STAGES", "")
-            fp8_stages = int(env) if env else None
-        if fp8_stages is not None and self.kv_fp8:
-            if not 2 <= fp8_stages <= MAX_STAGES_FP8:
-                raise ValueError(f"core 'swapab': fp8_stages must be 2..{MAX_STAGES_FP8}, "
-                                 f"got {fp8_stages}")
-            if fixed + fp8_stages * per_stage <= SMEM_LIMIT:
-                self.stages = fp8_stages
-                self.smem_bytes = fixed + self.stages * per_stage
-            else:
-                exact = self.struct_bytes(fp8_stages, consumers, h_pad, sum_on_max=True)
-                if consumers != 2 or exact > SMEM_LIMIT:
-                    raise ValueError(f"core 'swapab': {fp8_stages} fp8 stages do not fit at "
-                                     f"h_pad {h_pad} with {consumers} consumer(s)")
-                self.stages = fp8_stages
-                self.sum_on_max = True
-                self.smem_bytes = exact
         self.tma_bytes = per_stage
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
         # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
@@ -433,58 +350,20 @@ class MlaDecodeSwapAbKernel:
         self.qk_promote = True
         # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
-        self.pv_in_flight = 2
-        self.pv_group = 4 if h_pad == 16 else 2
-        self.pv_prefetch = False
-        # A/B switch: PDSERVE_MLA_SWAPAB_PV="group,in_flight,prefetch" (e.g. "2,3,1")
-        env = os.environ.get("PDSERVE_MLA_SWAPAB_PV", "")
+        self.pv_group, self.pv_in_flight = (4, 2) if h_pad == 16 else (2, 3)
+        # the V-load prefetch holds 16 more registers across the softmax: at h_pad 32 the single
+        # consumer and the ordered pair then spill (cubin stack 40 / 16 B), so they load per
+        # k-step
+        self.pv_prefetch = not (h_pad == 32 and (consumers == 1 or self.ordered))
+        if not self.pv_prefetch:
+            self.pv_in_flight = 2
+        env = os.environ.get("PDSERVE_MLA_SWAPAB_PV", "")     # A/B runs: "group,in_flight"
         if env and self.kv_fp8:
-            g, f, pf = (int(x) for x in env.split(","))
+            g, f = (int(x) for x in env.split(","))
             if g not in (1, 2, 4, 8) or not 1 <= f <= 8:
                 raise ValueError(f"PDSERVE_MLA_SWAPAB_PV={env!r}: group 1|2|4|8, in_flight 1..8")
-            self.pv_group, self.pv_in_flight, self.pv_prefetch = g, f, bool(pf)
+            self.pv_group, self.pv_in_flight = g, f
         self.consumer_regs = CONSUMER_REGS
-        # fp8 epilogue with 16-byte vector stores (OPT-IN, UNTESTED ON A GPU: vec_epilogue or
-        # PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1; bf16 ignores it): see "Vectorized fp8 epilogue"
-        if vec_epilogue is None:
-            vec_epilogue = os.environ.get("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1") == "1"
-        self.vec_epilogue = bool(vec_epilogue) and self.kv_fp8
-
-    @staticmethod
-    def struct_bytes(stages: int, consumers: int, h_pad: int, sum_on_max: bool = False,
-                     kv_fp8: bool = True) -> int:
-        """Exact byte size of the SharedStorage struct (_shared_storage) from a 1024-byte aligned
-        base: mbarriers (2 x stages x 8), sMax (align 16), sSum unless sum_on_max (align 16),
-        sQ, sP and the ring (each 1024-byte aligned)."""
-        def up(x, a):
-            return -(-x // a) * a
-        esize = 1 if kv_fp8 else 2
-        off = 2 * stages * 8
-        off = up(off, 16) + consumers * 2 * N_WARPS * h_pad * 4
-        if not sum_on_max:
-            off = up(off, 16) + consumers * N_WARPS * h_pad * 4
-        off = up(off, 1024) + h_pad * D_QK * 2      # Q (bf16; fp8: Q_hi + Q_lo)
-        off = up(off, 1024) + consumers * h_pad * TILE_N * 2           # P^T (16-bit)
-        off = up(off, 1024) + stages * TILE_N * D_QK * esize
-        return off
-
-    def _storage_sum_on_max(self, default, sQ_layout, sK_layout, sP_layout):
-        """The shared storage struct: `default` (the struct __call__ defines), or with
-        sum_on_max the same struct without sSum (the column sums live in sMax, see the module
-        docstring). Plain Python at trace time; the annotations are built as objects here (this
-        module's string annotations are resolved only inside the DSL's jit functions)."""
-        if not self.sum_on_max:
-            return default
-        hp, nc, stages = self.h_pad, self.consumers, self.stages
-        S = cute.struct
-        fields = {
-            "mbar": S.MemRange[cutlass.Int64, 2 * stages],
-            "sMax": S.Align[S.MemRange[Float32, nc * 2 * N_WARPS * hp], 16],
-            "sQ": S.Align[S.MemRange[self.qdt, cute.cosize(sQ_layout)], 1024],
-            "sP": S.Align[S.MemRange[self.cdt, nc * cute.cosize(sP_layout)], 1024],
-            "sK": S.Align[S.MemRange[self.kv_dtype, cute.cosize(sK_layout)], 1024],
-        }
-        return S(type("SharedStorageSumOnMax", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -575,11 +454,6 @@ class MlaDecodeSwapAbKernel:
             sP: cute.struct.Align[cute.struct.MemRange[cdt, nc * cute.cosize(sP_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kvt, cute.cosize(sK_layout)], 1024]
 
-        # fifth fp8 stage (opt-in, sum_on_max): the same struct without sSum
-        SharedStorage = self._storage_sum_on_max(SharedStorage, sQ_layout, sK_layout, sP_layout)
-        # (the struct's exact size, for the tests: struct_bytes models it)
-        self.storage_bytes = SharedStorage.size_in_bytes()
-
         # Q: gmem -> smem with cp.async, 16 bytes a copy, the 128 consumer threads
         copy_q = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
@@ -642,14 +516,8 @@ class MlaDecodeSwapAbKernel:
                 sMax = storage.sMax.get_tensor(cute.make_layout(
                     (nc, 2, N_WARPS, hp),
                     stride=(2 * N_WARPS * hp, N_WARPS * hp, hp, 1)))[cons, None, None, None]
-                if cutlass.const_expr(self.sum_on_max):
-                    # fifth fp8 stage (opt-in): consumer c's column sums [4 warps, hp] are its
-                    # column-max buffer 0 (sMax[c, 0]); safe, see the module docstring
-                    sSum = storage.sMax.get_tensor(cute.make_layout(
-                        (nc, N_WARPS, hp), stride=(2 * N_WARPS * hp, hp, 1)))[cons, None, None]
-                else:
-                    sSum = storage.sSum.get_tensor(cute.make_layout(
-                        (nc, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))[cons, None, None]
+                sSum = storage.sSum.get_tensor(cute.make_layout(
+                    (nc, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))[cons, None, None]
 
             producer, consumer = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
@@ -942,9 +810,9 @@ class MlaDecodeSwapAbKernel:
                     tOgO = thr_pv.partition_C(gOt)
                     rO = cute.make_fragment_like(acc_O, BFloat16)
                     rO.store(acc_O.load().to(BFloat16))
-                    if cutlass.const_expr(self.vec_epilogue):
-                        # (opt-in) per head, the thread's 16 consecutive latent dims as two
-                        # 16-byte stores (see "Vectorized fp8 epilogue" in the module docstring)
+                    if cutlass.const_expr(self.kv_fp8):
+                        # per head, the thread's 16 consecutive latent dims as two 16-byte
+                        # stores (see "fp8 epilogue" in the module docstring)
                         self._store_cols_vec(rO, tOgO, tOcO, heads_w)
                     else:
                         for i in cutlass.range_constexpr(cute.size(rO)):
@@ -958,9 +826,9 @@ class MlaDecodeSwapAbKernel:
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     tOgOp = thr_pv.partition_C(gOpt)
-                    if cutlass.const_expr(self.vec_epilogue):
-                        # (opt-in) per head, the thread's 16 consecutive latent dims (64 bytes)
-                        # as four 16-byte stores
+                    if cutlass.const_expr(self.kv_fp8):
+                        # per head, the thread's 16 consecutive latent dims (64 bytes) as four
+                        # 16-byte stores
                         self._store_cols_vec(acc_O, tOgOp, tOcO, heads_w)
                     else:
                         for i in cutlass.range_constexpr(cute.size(acc_O)):
@@ -974,7 +842,7 @@ class MlaDecodeSwapAbKernel:
 
     @cute.jit
     def _store_cols_vec(self, src, dst, tOcO, heads_w):
-        """Vectorized fp8 epilogue (opt-in, vec_epilogue): src = the O^T fragment (fp32 acc_O or
+        """fp8 epilogue: src = the O^T fragment (fp32 acc_O or
         its bf16 copy), dst = its C partition of the output / partial rows (t_layout with
         DIM_PERM), tOcO its (row, head) coordinates. In the [rows, heads] view each column of a
         thread is 16 elements of one head whose addresses are contiguous (O^T row
@@ -1174,28 +1042,28 @@ class MlaDecodeSwapAbKernel:
                 for j in range(4)]
 
     def _fp8_pv(self, pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff, n_valid, h,
-                vw_first=None):
+                vw_first):
         """O^T += V^T P^T with A = V^T gathered and widened in registers: per 16-token k-step
         four 16-byte loads (tokens past the end -> 0: their bytes may be NaN encodings and
         p = 0 there), prmt pairs the bytes of tokens (k, k + 1) and one cvt widens each pair;
         8 / pv_group wgmma groups of pv_group M blocks (4 pv_group A registers each) per k-step,
         at most pv_in_flight in flight. With pv_prefetch the caller passes k-step 0's words
-        (vw_first, loaded before the softmax) and k-step ks + 1's loads are issued before
-        k-step ks's wgmmas, so no load latency sits between two wgmma groups.
+        (vw_first, loaded before the softmax) and k-step ks + 1's loads are issued before k-step
+        ks's wgmmas, so no load latency sits between two wgmma groups; without, each k-step's
+        words are loaded after the previous k-step's wgmmas were issued.
         The stage is released once every load of the tile has been consumed."""
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)
         lim = [n_valid - v_tok[jp] for jp in range(2)]
         vbase = [v_addr[jp] + soff for jp in range(2)]
-        raw = vw_first if vw_first is not None else self._fp8_v_words(vbase, 0)
+        raw = vw_first if self.pv_prefetch else self._fp8_v_words(vbase, 0)
         for ks in range(TILE_N // 16):
             vw = []
             for j in range(4):
                 jp, jh = j % 2, j // 2
                 ok = lim[jp] > 16 * ks + 8 * jh       # token v_tok[jp] + 16 ks + 8 jh < n_valid
                 vw.append([Int32(cutlass.select_(ok, raw[j][i], Int32(0))) for i in range(4)])
-            if ks + 1 < TILE_N // 16:
-                if cutlass.const_expr(self.pv_prefetch):
-                    raw = self._fp8_v_words(vbase, ks + 1)
+            if ks + 1 < TILE_N // 16 and self.pv_prefetch:
+                raw = self._fp8_v_words(vbase, ks + 1)
             gb = self.pv_group
             for half in range(8 // gb):
                 rA = thr_pv.make_fragment_A(thr_pv.partition_shape_A((64 * gb, 16)))  # (8, gb, 1)
@@ -1218,9 +1086,8 @@ class MlaDecodeSwapAbKernel:
                 cute.gemm(pv_mma, acc, rA[None, None, 0], tOrP[None, None, ks], acc)
                 warpgroup.commit_group()
                 warpgroup.wait_group(self.pv_in_flight - 1)
-            if ks + 1 < TILE_N // 16:
-                if cutlass.const_expr(not self.pv_prefetch):
-                    raw = self._fp8_v_words(vbase, ks + 1)
+            if ks + 1 < TILE_N // 16 and not self.pv_prefetch:
+                raw = self._fp8_v_words(vbase, ks + 1)
         warpgroup.wait_group(0)
 
     # ------------------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def test_swapab_consumer_variants(variant, num_splits, H, monkeypatch):
           core="swapab")
 
 
-# lengths for the opt-in candidates: splits of 1 tile (consumer 1 empty), 2, 3 (odd), 4 (even)
+# lengths for the fp8 epilogue / PV test: splits of 1 tile (consumer 1 empty), 2, 3 (odd), 4 (even)
 # tiles at num_splits None / 1, many tiles per split, partial last tiles; with 3 or 64 forced
 # splits also single-tile and empty splits
 CANDIDATE_LENS = [1, 64, 65, 128, 129, 192, 256, 3000, 20000 + 33]
@@ -175,36 +175,12 @@ CANDIDATE_LENS = [1, 64, 65, 128, 129, 192, 256, 3000, 20000 + 33]
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
-@pytest.mark.parametrize("order", ["0", "1"])
-def test_swapab_fp8_five_stages(order, num_splits, H, monkeypatch):
-    """Candidate (UNTESTED ON A GPU when added): PDSERVE_MLA_SWAPAB_FP8_STAGES=5, a fifth fp8
-    ring stage at h_pad 32 with two consumers, the column sums kept in sMax (swapab.py, "Fifth
-    fp8 stage"); at H = 12 (h_pad 16) the switch changes nothing (already 5 stages)."""
-    from pdserve.kernels.mla_decode.cutedsl import kernel_config
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "5")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", order)
-    k = kernel_config(True, 16 if H <= 16 else 32, 64, core="swapab")
-    assert k.stages == 5 and k.sum_on_max == (H > 16)
-    # head_groups=1: otherwise small B x L at H = 32 runs as 2 x 16 heads (h_pad 16)
-    check(CANDIDATE_LENS, H, True, num_splits=num_splits, core="swapab", head_groups=1)
-    check([8192 + 17], H, True, num_splits=num_splits, core="swapab", early_kv=True,
-          head_groups=1)
-
-
-@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("H", [12, 32])
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
-@pytest.mark.parametrize("variant", ["2", "1", "2-five-stages"])
-def test_swapab_fp8_vec_epilogue(variant, num_splits, H, monkeypatch):
-    """Candidate (UNTESTED ON A GPU when added): PDSERVE_MLA_SWAPAB_VEC_EPILOGUE=1, the fp8
-    epilogue's 16-byte vector stores (swapab.py, "Vectorized fp8 epilogue"): both epilogues
-    (bf16 output at 1 split, fp32 partials otherwise), one / two consumers, and with the fifth
-    stage. The outputs are NaN-poisoned by check(), so a missed store shows up."""
-    consumers, _, five = variant.partition("-")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_VEC_EPILOGUE", "1")
+@pytest.mark.parametrize("consumers", ["2", "1"])
+def test_swapab_fp8_epilogue_and_pv(consumers, num_splits, H, monkeypatch):
+    """fp8 swapab: the 16-byte vector epilogue (bf16 output at 1 split, fp32 partials
+    otherwise) and the V-prefetching PV, with two (default) and one consumer warpgroups. The
+    outputs are NaN-poisoned by check(), so a missed store shows up."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
-    if five:
-        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_FP8_STAGES", "5")
     check(CANDIDATE_LENS, H, True, num_splits=num_splits, core="swapab", head_groups=1)
     check([8192 + 17], H, True, num_splits=num_splits, core="swapab", early_kv=True,
           head_groups=1)
