@@ -149,7 +149,7 @@ def main(argv=None):
             for sp in (16, 32, 64, 128):
                 if sp * 64 > L or B * sp > 132:
                     continue
-                r = bench_one(B, L, 32, False, reps=9, splits=sp, core=core)
+                r = bench_one(B, L, 32, False, reps=9, splits=sp, core=core, early_kv=args.early_kv)
                 sweep.append(r)
                 print(f"sweep {r['kv_dtype']:9s} H=32 B={B} L={L} splits={sp:3d} {r['us']:8.1f} us", flush=True)
     res = dict(
