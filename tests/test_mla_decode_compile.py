@@ -565,18 +565,11 @@ def test_split_choice(B, L, H):
 
 
 def test_choose_core_follows_the_h200_measurements():
-    # bf16: swapab everywhere (cutedsl.choose_core)
-    assert mc.choose_core(32, 8192) == "swapab"
-    assert mc.choose_core(12, 1024, batch=64) == "swapab"
-    assert mc.choose_core(12, None) == "swapab"        # unknown length (captured, num_splits only)
-    # fp8: swapab for large B x L (from 128K at H <= 16, 256K above), wgmma for small
-    assert mc.choose_core(12, 32768, batch=64, kv_fp8=True) == "swapab"
-    assert mc.choose_core(12, 131072, kv_fp8=True) == "swapab"
-    assert mc.choose_core(12, 8192, batch=8, kv_fp8=True) == "wgmma"
-    assert mc.choose_core(12, 8192, kv_fp8=True) == "wgmma"
-    assert mc.choose_core(32, 8192, batch=8, kv_fp8=True) == "wgmma"
-    assert mc.choose_core(32, 32768, batch=8, kv_fp8=True) == "swapab"
-    assert mc.choose_core(32, None, kv_fp8=True) == "wgmma"
+    # swapab everywhere (cutedsl.choose_core): bf16 and fp8, short and long, unknown length
+    for kv_fp8 in (False, True):
+        for H, L, B in ((32, 8192, 1), (12, 1024, 64), (12, None, 1), (32, 131072, 64)):
+            assert mc.choose_core(H, L, batch=B, kv_fp8=kv_fp8) == "swapab"
+    assert mc.plan_call(1, 32, 8192, True, None, False)[0] == "swapab"
 
 
 def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():

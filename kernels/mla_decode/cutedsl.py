@@ -1015,31 +1015,27 @@ def _fake_args_main(k: MlaDecodeKernel):
 # choose_core pick per call
 CORES = ("mma", "wgmma", "swapab")
 CORE = os.environ.get("PDSERVE_MLA_CORE", "auto")
-# fp8: swapab from this B x L on (per padded head count), wgmma below
-FP8_SWAPAB_MIN_TOKENS = {16: 128 * 1024, 32: 256 * 1024}
 HEAD_GROUP_FP8_MAX_TOKENS = 64 * 1024   # choose_head_groups (H > 16): fp8 up to this B x L,
 HEAD_GROUP_BF16_MAX_SEQ = 2048           # bf16 up to this context length
 
 
 def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
                 kv_fp8: bool = False) -> str:
-    """The faster core on the H200 for this call (2026-11-29, CUDA-graph medians in us):
-      * bf16: swapab, faster than the mma and wgmma cores in all 24 cells of the benchmark grid,
-        with and without early_kv (e.g. H=32 B=64 L=32K 566.7 vs wgmma 748.6; H=12 B=1 L=8K
-        10.5 vs mma 11.2, with early_kv 8.8 vs 9.8; mla_decode_h200_swapab*.json against
-        mla_decode_h200_auto_early_kv.json and the session-5 auto run).
-      * fp8: swapab (two consumer warpgroups) from B x L >= 128K at H <= 16 and >= 256K at
-        H > 16, wgmma below. H=12: B=64 L=32K 316.7 us vs mma (2 CTAs/SM, 4 splits) 352.3 and
-        wgmma 791.8, B=8 L=32K 56.2 vs mma 67.1, B=64 L=8K 96.0 vs 107.4; H=32: B=64 L=32K
-        413.4 vs mma 656.3 and wgmma 800.5, B=8 L=32K 81.7 vs wgmma 110.2; below those sizes
-        wgmma, e.g. B=1 L=8K 13.0 us at H=12 vs swapab 16.3 and mma 20.1
-        (mla_decode_h200_swapab_consumers.json, mla_decode_h200_auto.json,
-        mla_decode_h200_cores.json).
-    An unknown length (a captured call that passed num_splits only) counts as short."""
-    if not kv_fp8:
-        return "swapab"
-    tokens = 0 if max_seq_len is None else batch * int(max_seq_len)
-    return "swapab" if tokens >= FP8_SWAPAB_MIN_TOKENS[h_pad_for(heads)] else "wgmma"
+    """The faster core on the H200 for this call (2026-11-29, CUDA-graph medians in us): swapab,
+    for every call.
+      * bf16: faster than the mma and wgmma cores in all 24 cells of the benchmark grid, with and
+        without early_kv (e.g. H=32 B=64 L=32K 566.7 vs wgmma 748.6; H=12 B=1 L=8K 10.5 vs mma
+        11.2, with early_kv 8.8 vs 9.8; mla_decode_h200_swapab*.json, session 6).
+      * fp8 (two consumer warpgroups, vectorized epilogue, V-prefetching PV, session 7): at
+        B x L >= 256K faster than mma and wgmma in every cell (H=32 B=64 L=32K 413.4 vs mma
+        656.3 and wgmma 800.5 already in session 6); below, where wgmma was the choice until
+        session 7, too, except two cells within 5 % (early_kv; swapab from
+        mla_decode_h200_session7_ab.json, wgmma from mla_decode_h200_auto_early_kv.json of
+        session 7's first auto run): H=12 B=8 L=8K 20.3 vs 32.1, B=64 L=1K 19.8 vs 34.9,
+        B=1 L=8K 11.2 vs 11.6; H=32 B=1 L=128K 42.0 vs 61.6, B=64 L=1K 25.2 vs 41.0, B=8 L=8K
+        28.5 vs 34.5; wgmma ahead: H=32 B=1 L=8K 13.0 vs 13.5, B=8 L=1K 12.1 vs 12.7.
+    The arguments stay for callers that pass them (a rule by shape may come back)."""
+    return "swapab"
 
 
 def _core(core: str | None) -> str:
