@@ -25,42 +25,39 @@ LSE = -inf only, and the combine skips it.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
-Status on the H200 (2026-11-29, session 6; CUDA-graph medians, >= 16 calls per graph):
-  * bf16: the swapab core (swapab.py) reaches 88-107 % of the 4245 GB/s copy floor in every cell
-    with B x L >= 256K tokens, at H = 12 and H = 32 (benchmarks/results/mla_decode_h200_auto.json;
-    above 100 % because a pure read stream beats the copy's read + write mix). It is faster than
-    the mma and wgmma cores in every cell of the benchmark grid.
-  * B = 1, L = 8K, bf16 (swapab): 8.1 us at H = 12 and 10.9 us at H = 32 with early_kv, 10.1 /
-    11.9 without (mla_decode_h200_auto_early_kv.json, mla_decode_h200_auto.json).
+Status on the H200 (2026-11-29, session 7, commit 8c1d4b6; CUDA-graph medians, >= 16 calls
+per graph; benchmarks/results/mla_decode_h200_auto.json and _auto_early_kv.json):
+  * `choose_core` takes the swapab core (swapab.py) for every call, bf16 and fp8.
+  * bf16: 88-107 % of the 4245 GB/s copy floor in every cell with B x L >= 256K tokens, at
+    H = 12 and H = 32 (above 100 % because a pure read stream beats the copy's read + write mix).
+  * fp8: 76-95 % at H = 12 and 58-72 % at H = 32 where B x L >= 256K (H=32 B=64 L=32K 421.4 us
+    = 68 %, B=8 L=32K 61.4 = 58 %).
+  * B = 1, L = 8K, bf16: 8.0 us at H = 12 and 10.8 us at H = 32 with early_kv, 10.0 / 11.9
+    without.
   * `early_kv=True` (opt-in; all three cores): the main kernel issues its seq_lens,
     block-table and first KV-tile reads before griddepcontrol.wait, so the first tile's DRAM
     round trips overlap the previous kernel; Q and every write stay behind the wait. Contract:
     the kernel right before it in the stream writes none of those.
-  * fp8: swapab with two consumer warpgroups reaches 63-90 % at H = 12 and 44-69 % at H = 32
-    where B x L >= 256K (mla_decode_h200_swapab_consumers.json). The mma core's direct-operand
-    path (two CTAs per SM at H <= 16) reaches 53-84 % at H = 12; at small B x L the wgmma
-    core, which widens whole tiles to bf16, is fastest (B=1 L=8K 13.0 us). `choose_core`
-    follows these measurements.
-  * Every kernel is launched with PDL and triggers its dependents on entry; the combine spreads
-    each head over 4 CTAs of 16 split groups when there are many splits (`choose_combine`).
+  * Every kernel is launched with PDL and triggers its dependents on entry; the combine uses one
+    split group per (request, head) up to 8 splits, 4 up to 31, and spreads each head over 4 CTAs
+    of 16 groups from 32 (`choose_combine`).
 
 Cores: this module's `MlaDecodeKernel` (mma.sync, above; core="mma") and the warpgroup-MMA core
 in wgmma.py (`MlaDecodeWgmmaKernel`, core="wgmma": 64-row wgmma with Q in smem, S and P in
 registers, a warp-specialized TMA producer over a 2-stage ring). Both take the same arguments and
-share the split choice, the combine and the host launcher. `choose_core` picks per call (core=None
-and PDSERVE_MLA_CORE unset or "auto"): mma.sync pads the heads to 16 or 32 rows, wgmma to 64, so
-wgmma only pays off where H > 16 and the contexts are long. H200, session 5 (all 53 wgmma GPU
-tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside mla_decode_h200.json), us:
+share the split choice, the combine and the host launcher. mma.sync pads the heads to 16 or 32
+rows, wgmma to 64, so wgmma only paid off where H > 16 and the contexts are long. H200,
+session 5 (all 53 wgmma GPU tests pass; benchmarks/results/mla_decode_h200_wgmma.json beside
+mla_decode_h200.json), us:
     bf16 H=32:  B=1 L=8K 17.4 (mma 19.0), B=8 L=32K 97.7 (102.5), B=8 L=128K 324.9 (362.2),
                 B=64 L=8K 182.0 (196.8), B=64 L=32K 640.0 (711.4); L=1K 13.6-41.6 (10.4-41.1)
     bf16 H=12:  mma faster in every cell (e.g. B=64 L=32K 603.6 vs 613.7, B=1 L=1K 9.1 vs 11.9)
     fp8  H=32:  wgmma faster from L=8K on (B=64 L=32K 818.8 vs 941.9); fp8 H=12: mma faster.
 A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab"; bf16 and fp8), swaps A and B
 so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
-padding to 64 rows; `choose_core` picks it for every bf16 call. Its fp8 path runs two consumer
-warpgroups on alternate tiles by default (UNTESTED ON A GPU; PDSERVE_MLA_SWAPAB_CONSUMERS=1 is the
-single-consumer kernel that passed the H200 tests, PDSERVE_MLA_SWAPAB_ORDER=1 orders their S^T
-phases; see swapab.py).
+padding to 64 rows; `choose_core` picks it for every call. Its fp8 path runs two consumer
+warpgroups on alternate tiles by default (PDSERVE_MLA_SWAPAB_CONSUMERS=1 selects one,
+PDSERVE_MLA_SWAPAB_ORDER=1 orders their S^T phases; see swapab.py).
 """
 from __future__ import annotations
 

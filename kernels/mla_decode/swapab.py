@@ -4,8 +4,8 @@ Same contract as the other cores (`MlaDecodeKernel` in cutedsl.py, `MlaDecodeWgm
 wgmma.py: same arguments, one CTA per (KV split, request), 64-token tiles inside one page, bf16
 output + natural-log LSE, or fp32 split partials + LSE for `CombineKernel`); bf16 or fp8 e4m3
 cache (the fp8 path is described after the bf16 one).
-Selected with `core="swapab"` (compile_main / mla_decode_cutedsl) or PDSERVE_MLA_CORE=swapab;
-never picked by `choose_core`.
+`choose_core` picks it for every call since session 7; `core="swapab"` (compile_main /
+mla_decode_cutedsl) or PDSERVE_MLA_CORE=swapab selects it explicitly.
 
 Why: the wgmma core pads the H <= 32 heads to the 64 rows of a wgmma and both of its consumer
 warpgroups compute all of S, so per tile it issues ~13.6 MFLOP of which ~4.5 are useful. Here
@@ -174,7 +174,8 @@ one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb +
 128 st.global.b16 (the scalar stores wrote 4 bytes per 32-byte sector: the DIM_PERM rows of 8
 lanes are 16 dims apart). The trace asserts that a column's 16 addresses have unit stride (the
 bf16 path's rows are not contiguous, it keeps scalar stores, which fill whole sectors there).
-H200, session 7 (fp8, early_kv, `ab_base` vs `ab_vec` in mla_decode_h200_session7_ab.json):
+H200, session 7 (fp8, early_kv, `ab_base` vs `ab_vec_epilogue` in
+mla_decode_h200_session7_ab.json):
 H=12 B=8 L=32K 56.7 -> 48.4 us, B=64 L=8K 97.7 -> 91.5; H=32 B=1 L=8K 23.6 -> 13.5,
 B=8 L=32K 81.1 -> 62.4, B=64 L=8K 144.8 -> 128.0; the long cells within 1 %.
 
@@ -182,11 +183,23 @@ fp8 PV pipelining (pv_group, pv_in_flight; V-load prefetch): the first k-step's 
 loaded right after S^T retires (their latency hides behind the softmax) and k-step ks + 1's
 before k-step ks's wgmmas. h_pad 16: groups of 4 M blocks, 2 in flight; h_pad 32: groups of 2,
 3 in flight (2 in flight with the prefetch left a 24-byte spill stack in the cubin; 4 or more
-in flight were ~20 % slower on the H200). The single consumer and the ordered pair at h_pad 32 (both
-opt-in) spill with the prefetch and keep per-k-step loads, 2 groups of 2 in flight. H200, session 7 (mla_decode_h200_session7_ab.json,
-`pv12_*` / `pv32_*`): H=12 B=8 L=32K 49.5 -> 47.0 us, B=64 L=8K 88.6 -> 86.0, B=64 L=32K
-308.1 -> 297.0; H=32 B=8 L=32K 63.0 -> 61.0, B=64 L=8K 122.0 -> 119.5. PDSERVE_MLA_SWAPAB_PV=
-"group,in_flight" overrides the pair for A/B runs.
+in flight were ~20 % slower on the H200). The single consumer and the ordered pair at h_pad 32
+(both opt-in) spill with the prefetch and keep per-k-step loads, 2 groups of 2 in flight.
+H200, session 7 (mla_decode_h200_session7_ab.json, `pv12_*` / `pv32_*`): H=12 B=8 L=32K
+49.5 -> 47.0 us, B=64 L=8K 88.6 -> 86.0, B=64 L=32K 308.1 -> 297.0; H=32 B=8 L=32K 63.0 -> 61.0,
+B=64 L=8K 122.0 -> 119.5. PDSERVE_MLA_SWAPAB_PV="group,in_flight" overrides the pair for A/B
+runs.
+
+Status after session 7 (commit 8c1d4b6, vectorized fp8 epilogue, V prefetch, one-group combine,
+swapab for every call): all 244 MLA GPU tests pass on the H200. fp8, auto core = swapab, % of the
+copy floor where B x L >= 256K (results/mla_decode_h200_auto.json / _auto_early_kv.json):
+H=12 76-95 % (B=8 L=32K 47.0 / 46.5 us), H=32 58-72 % (B=8 L=32K 61.4 / 60.4 us,
+B=64 L=32K 421.4 / 422.1). An H200 profile of H=32 B=64 L=32K (ncu, base clocks) puts ~32 % of
+the consumer warps' stall samples in S^T (waiting on the e4m3 wgmma chunks), ~25 % in the
+softmax (column max across the 4 warps through smem) and ~32 % in PV; the tensor pipe is ~40 %
+busy, so the consumers are latency-bound, not MMA-bound. Tried and dropped: a fifth stage
+(above), one e4m3 wgmma of N = 2 h_pad per k-step for Q_hi and Q_lo (branch mla-qk-joint: H=12
+passed and was within noise, H=32 failed the GPU tests).
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
@@ -807,38 +820,31 @@ class MlaDecodeSwapAbKernel:
                     t_layout = cute.make_layout((D_V, hp), stride=(1, D_V))
                 if num_splits == 1:
                     gOt = cute.make_tensor(mO[b, None, None].iterator, t_layout)
-                    tOgO = thr_pv.partition_C(gOt)
                     rO = cute.make_fragment_like(acc_O, BFloat16)
                     rO.store(acc_O.load().to(BFloat16))
-                    if cutlass.const_expr(self.kv_fp8):
-                        # per head, the thread's 16 consecutive latent dims as two 16-byte
-                        # stores (see "fp8 epilogue" in the module docstring)
-                        self._store_cols_vec(rO, tOgO, tOcO, heads_w)
-                    else:
-                        for i in cutlass.range_constexpr(cute.size(rO)):
-                            if tOcO[i][1] < heads_w:
-                                tOgO[i] = rO[i]
-                    if cwarp == 0 and lane < 4:
-                        for c in cutlass.range_constexpr(n_cols):
-                            col = tScS_mn[0, c][1]
-                            if col < heads_w:
-                                mLse[b, col] = lse_c[c]
+                    self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads_w, mLse[b, None],
+                                      lse_c, tScS_mn, cwarp, lane)
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
-                    tOgOp = thr_pv.partition_C(gOpt)
-                    if cutlass.const_expr(self.kv_fp8):
-                        # per head, the thread's 16 consecutive latent dims (64 bytes) as four
-                        # 16-byte stores
-                        self._store_cols_vec(acc_O, tOgOp, tOcO, heads_w)
-                    else:
-                        for i in cutlass.range_constexpr(cute.size(acc_O)):
-                            if tOcO[i][1] < heads_w:
-                                tOgOp[i] = acc_O[i]
-                    if cwarp == 0 and lane < 4:
-                        for c in cutlass.range_constexpr(n_cols):
-                            col = tScS_mn[0, c][1]
-                            if col < heads_w:
-                                mLsep[split, b, col] = lse_c[c]
+                    self._store_o_lse(acc_O, thr_pv.partition_C(gOpt), tOcO, heads_w,
+                                      mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
+
+    @cute.jit
+    def _store_o_lse(self, src, dst, tOcO, heads_w, lse_row, lse_c, tScS_mn, cwarp, lane):
+        """The epilogue's writes: O^T (src: the bf16 output or the fp32 partial fragment) through
+        its C partition dst, heads < heads_w only (fp8: 16-byte vectors, _store_cols_vec), and
+        the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every column)."""
+        if cutlass.const_expr(self.kv_fp8):
+            self._store_cols_vec(src, dst, tOcO, heads_w)
+        else:
+            for i in cutlass.range_constexpr(cute.size(src)):
+                if tOcO[i][1] < heads_w:
+                    dst[i] = src[i]
+        if cwarp == 0 and lane < 4:
+            for c in cutlass.range_constexpr(cute.size(lse_c)):
+                col = tScS_mn[0, c][1]
+                if col < heads_w:
+                    lse_row[col] = lse_c[c]
 
     @cute.jit
     def _store_cols_vec(self, src, dst, tOcO, heads_w):
