@@ -1026,9 +1026,8 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
       * fp8 (two consumer warpgroups, vectorized epilogue, V-prefetching PV, session 7): at
         B x L >= 256K faster than mma and wgmma in every cell (H=32 B=64 L=32K 413.4 vs mma
         656.3 and wgmma 800.5 already in session 6); below, where wgmma was the choice until
-        session 7, too, except two cells within 5 % (early_kv; swapab from
-        mla_decode_h200_session7_ab.json, wgmma from mla_decode_h200_auto_early_kv.json of
-        session 7's first auto run): H=12 B=8 L=8K 20.3 vs 32.1, B=64 L=1K 19.8 vs 34.9,
+        session 7, too, except two cells within 5 % (early_kv; both from
+        mla_decode_h200_session7_ab.json: swapab from its A/B runs, wgmma from "run4_first_auto"): H=12 B=8 L=8K 20.3 vs 32.1, B=64 L=1K 19.8 vs 34.9,
         B=1 L=8K 11.2 vs 11.6; H=32 B=1 L=128K 42.0 vs 61.6, B=64 L=1K 25.2 vs 41.0, B=8 L=8K
         28.5 vs 34.5; wgmma ahead: H=32 B=1 L=8K 13.0 vs 13.5, B=8 L=1K 12.1 vs 12.7.
     The arguments stay for callers that pass them (a rule by shape may come back)."""
@@ -1038,7 +1037,7 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
 def _core(core: str | None) -> str:
     core = CORE if core is None else core
     if core == "auto":
-        core = "mma"
+        core = "swapab"        # choose_core's answer for every call (kept in step with it)
     assert core in CORES, f"unknown MLA decode core {core!r} (one of {CORES} or 'auto')"
     return core
 
