@@ -82,8 +82,9 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     that layout), so a thread's 16 rows are 16 consecutive bytes of one token: per 16-token k-step
     four 16-byte loads (tokens row_token(2 tig + jp + 8 jh), conflict free), prmt 0x5140 / 0x7362
     pairs the bytes of the two tokens of a k pair, one cvt per pair; groups of `pv_group` M blocks
-    per commit, 2 groups in flight. Tokens past the end are zeroed in registers (select on the
-    loaded words: the cache bytes there may be NaN encodings, and p = 0 * NaN would be NaN);
+    per commit, `pv_in_flight` groups in flight (see "fp8 PV pipelining"). Tokens past the end
+    are zeroed in registers (select on the loaded words: the cache bytes there may be NaN
+    encodings, and p = 0 * NaN would be NaN);
     their scores are masked to -inf as on the bf16 path. K rows past the end only reach their own
     S^T rows, which the mask overwrites.
   * per tile and thread: 36 e4m3 wgmma (S^T) + 32 fp16 wgmma (O^T), 16 ld.shared.v4 (V), 128
