@@ -159,6 +159,28 @@ def tma_produce_tiles(tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, sRing: cute
                   tKs[None, h.index], tma_bar_ptr=h.barrier)
 
 
+
+@cute.jit
+def copy_q_rows(copy_q: cute.TiledCopy, tQg: cute.Tensor, tQs: cute.Tensor, tQc: cute.Tensor,
+                heads: Int32):
+    """cp.async of this thread's query rows into shared memory (the warpgroup cores' Q load):
+    rows < heads from global, the padding rows >= heads zeroed."""
+    for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+        if tQc[0, m, 0][0] < heads:
+            cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
+        else:
+            tQs[None, m, None].fill(0)
+
+
+def wgmma_c_mn_view(t):
+    """wgmma C fragment ((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)) rows / cols
+    (the warpgroup cores: wgmma.py, swapab.py)."""
+    l = cute.make_layout(t.layout.shape)
+    v, vs = l.shape[0], l.stride[0]
+    mn = cute.make_layout(((v[1], l.shape[1]), (v[0], v[2], l.shape[2])),
+                          stride=((vs[1], l.stride[1]), (vs[0], vs[2], l.stride[2])))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
 @dsl_user_op
 def _cvt_e4m3x2_f16x2(x, high: bool, *, loc=None, ip=None) -> Int32:
     """The two e4m3 bytes of the low (high=False) or high half of the 32-bit x -> f16x2 (exact;
@@ -431,33 +453,26 @@ class MlaDecodeKernel:
             else:
                 cKV = cute.make_identity_tensor((TILE_N, D_QK))
             tKVcKV = thr_kv.partition_S(cKV)
+            # early_kv: tiles first, then wait, then Q, all in the first group (the group count
+            # the main loop's wait_group expects is kept with empty groups); else Q, then one
+            # group per tile
+            if cutlass.const_expr(not self.early_kv):
+                self._load_q(mQ, b, heads, sQ, copy_bf16, tidx)
+            for s in cutlass.range_constexpr(stages - 1):
+                if t_begin + s < t_end:
+                    if cutlass.const_expr(self.kv_fp8):
+                        self._load_tile_fp8(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
+                                            tKVcKV, sRaw[None, None, s], copy_cvt, thr_pe,
+                                            tPEcPE, sPE[None, None, s])
+                    else:
+                        self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
+                                        tKVcKV, sRaw[None, None, s])
+                if cutlass.const_expr(not self.early_kv):
+                    cute.arch.cp_async_commit_group()
             if cutlass.const_expr(self.early_kv):
-                # tiles first, then wait, then Q; all in the first group (the group count the
-                # main loop's wait_group expects is kept with empty groups)
-                for s in cutlass.range_constexpr(stages - 1):
-                    if t_begin + s < t_end:
-                        if cutlass.const_expr(self.kv_fp8):
-                            self._load_tile_fp8(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
-                                                tKVcKV, sRaw[None, None, s], copy_cvt, thr_pe,
-                                                tPEcPE, sPE[None, None, s])
-                        else:
-                            self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
-                                            tKVcKV, sRaw[None, None, s])
                 cute.arch.griddepcontrol_wait()
                 self._load_q(mQ, b, heads, sQ, copy_bf16, tidx)
                 for s in cutlass.range_constexpr(stages - 1):
-                    cute.arch.cp_async_commit_group()
-            else:
-                self._load_q(mQ, b, heads, sQ, copy_bf16, tidx)
-                for s in cutlass.range_constexpr(stages - 1):
-                    if t_begin + s < t_end:
-                        if cutlass.const_expr(self.kv_fp8):
-                            self._load_tile_fp8(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
-                                                tKVcKV, sRaw[None, None, s], copy_cvt, thr_pe,
-                                                tPEcPE, sPE[None, None, s])
-                        else:
-                            self._load_tile(mKV, mBT, b, t_begin + s, seqlen, copy_kv, thr_kv,
-                                            tKVcKV, sRaw[None, None, s])
                     cute.arch.cp_async_commit_group()
 
             # ---- MMA partitions and smem -> register copies ----
@@ -1037,7 +1052,7 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
 def _core(core: str | None) -> str:
     core = CORE if core is None else core
     if core == "auto":
-        core = "swapab"        # choose_core's answer for every call (kept in step with it)
+        core = choose_core(32, None)      # no shape here: choose_core's answer for an unknown one
     assert core in CORES, f"unknown MLA decode core {core!r} (one of {CORES} or 'auto')"
     return core
 

@@ -221,9 +221,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, MlaDecodeKernel,
-                                                _cvt_e4m3x2_f16x2, _prmt, query_tensors,
-                                                result_tensors, split_tile_range,
-                                                tma_produce_tiles, write_empty_split)
+                                                _cvt_e4m3x2_f16x2, _prmt, copy_q_rows,
+                                                query_tensors, result_tensors, split_tile_range,
+                                                tma_produce_tiles, wgmma_c_mn_view,
+                                                write_empty_split)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -606,18 +607,10 @@ class MlaDecodeSwapAbKernel:
                 else:
                     scale_s = scale_log2
                     if cutlass.const_expr(nc == 1):
-                        for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
-                            if tQc[0, m, 0][0] < heads:
-                                cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
-                            else:
-                                tQs[None, m, None].fill(0)
+                        copy_q_rows(copy_q, tQg, tQs, tQc, heads)
                     else:
                         if cons == 0:             # consumer 0 alone stores Q
-                            for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
-                                if tQc[0, m, 0][0] < heads:
-                                    cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
-                                else:
-                                    tQs[None, m, None].fill(0)
+                            copy_q_rows(copy_q, tQg, tQs, tQc, heads)
                     cute.arch.cp_async_commit_group()
                     cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -653,9 +646,9 @@ class MlaDecodeSwapAbKernel:
                 else:
                     tSsP = thr_qk.partition_C(sPt)
                 rP = cute.make_fragment_like(acc_S, self.cdt)
-                tScS_mn = self._mn_view(tScS)
-                acc_S_mn = self._mn_view(acc_S)
-                acc_O_mn = self._mn_view(acc_O)
+                tScS_mn = wgmma_c_mn_view(tScS)
+                acc_S_mn = wgmma_c_mn_view(acc_S)
+                acc_O_mn = wgmma_c_mn_view(acc_O)
                 n_rows = cute.size(acc_S_mn.shape[0])       # 2 token rows
                 n_cols = cute.size(acc_S_mn.shape[1])       # hp / 4 heads
                 col_max = cute.make_rmem_tensor((n_cols,), Float32)
@@ -859,9 +852,9 @@ class MlaDecodeSwapAbKernel:
         16-byte aligned (mla_decode_cutedsl asserts 16-byte aligned tensors; rows are 2,048 /
         1,024 bytes). So each column is written with 16-byte vector stores (4 x st.global.v4.f32
         / 2 x st.global.v4.b32) instead of 16 scalar stores, predicated per head as before."""
-        src_mn = self._mn_view(src)
-        dst_mn = self._mn_view(dst)
-        c_mn = self._mn_view(tOcO)
+        src_mn = wgmma_c_mn_view(src)
+        dst_mn = wgmma_c_mn_view(dst)
+        c_mn = wgmma_c_mn_view(tOcO)
         n_orows = cute.size(src_mn.shape[0])
         assert n_orows == 16, n_orows
         dt = src.element_type
@@ -1098,16 +1091,6 @@ class MlaDecodeSwapAbKernel:
         warpgroup.wait_group(0)
 
     # ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _mn_view(t):
-        """wgmma C fragment ((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)) rows / cols.
-        Here rows are tokens (S^T) or latent dims (O^T), columns heads."""
-        l = cute.make_layout(t.layout.shape)
-        v, vs = l.shape[0], l.stride[0]
-        mn = cute.make_layout(((v[1], l.shape[1]), (v[0], v[2], l.shape[2])),
-                              stride=((vs[1], l.stride[1]), (vs[0], vs[2], l.stride[2])))
-        return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
     @staticmethod
     def _col_max(v):
         """max over the 8 lanes holding the same columns (lane % 4 equal) of a warp."""

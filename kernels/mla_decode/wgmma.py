@@ -62,9 +62,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, query_tensors,
-                                                result_tensors, split_tile_range,
-                                                tma_produce_tiles, write_empty_split)
+from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
+                                                query_tensors, result_tensors, split_tile_range,
+                                                tma_produce_tiles, wgmma_c_mn_view,
+                                                write_empty_split)
 
 M = 64                      # wgmma rows: the request's heads, padded to 64 with zero queries
 N_WG = 2                    # consumer warpgroups, each owning WG_COLS output columns
@@ -249,11 +250,7 @@ class MlaDecodeWgmmaKernel:
                 tQg = thr_q.partition_S(gQ)
                 tQs = thr_q.partition_D(sQ)
                 tQc = thr_q.partition_S(cute.make_identity_tensor((M, D_QK)))
-                for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
-                    if tQc[0, m, 0][0] < heads:
-                        cute.copy(copy_q, tQg[None, m, None], tQs[None, m, None])
-                    else:
-                        tQs[None, m, None].fill(0)
+                copy_q_rows(copy_q, tQg, tQs, tQc, heads)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -272,9 +269,9 @@ class MlaDecodeWgmmaKernel:
                 rP_acc = cute.make_tensor(rP.iterator, cute.make_layout(acc_S.layout.shape))
 
                 tScS = thr_qk.partition_C(cute.make_identity_tensor((M, TILE_N)))
-                tScS_mn = self._mn_view(tScS)
-                acc_S_mn = self._mn_view(acc_S)
-                acc_O_mn = self._mn_view(acc_O)
+                tScS_mn = wgmma_c_mn_view(tScS)
+                acc_S_mn = wgmma_c_mn_view(acc_S)
+                acc_O_mn = wgmma_c_mn_view(acc_O)
                 n_rows = cute.size(acc_S_mn.shape[0])
                 row_max = cute.make_rmem_tensor((n_rows,), Float32)
                 row_sum = cute.make_rmem_tensor((n_rows,), Float32)
@@ -403,15 +400,6 @@ class MlaDecodeWgmmaKernel:
         v = acc.layout.shape[0]
         assert v[0] == 2 and v[1] == 2 and v[2] % 2 == 0, acc.layout
         return cute.make_layout(((2, 2, 2), 1, v[2] // 2), stride=((1, 2, 4), 0, 8))
-
-    @staticmethod
-    def _mn_view(t):
-        """wgmma C fragment ((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)) rows / cols."""
-        l = cute.make_layout(t.layout.shape)
-        v, vs = l.shape[0], l.stride[0]
-        mn = cute.make_layout(((v[1], l.shape[1]), (v[0], v[2], l.shape[2])),
-                              stride=((vs[1], l.stride[1]), (vs[0], vs[2], l.stride[2])))
-        return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
     @staticmethod
     def _quad_max(v):
