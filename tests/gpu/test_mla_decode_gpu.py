@@ -254,3 +254,64 @@ def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
     torch.cuda.synchronize()
     for (o, l), (wo, wl) in zip(outs, want):
         assert torch.equal(o, wo) and torch.equal(l, wl)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("H", [12, 32])
+@pytest.mark.parametrize("case", ["B1_8K+17", "B1_128K-1", "B8_mixed", "B64_mixed"])
+def test_swapab_fused_combine(case, H, fp8):
+    """The in-kernel split combine (fused_combine.py) and CombineKernel both match the float64
+    reference on the same inputs, including short requests whose splits are empty and head
+    groups (B=1 H=32); the per-device counters are back to 0 after every call."""
+    from pdserve.kernels.mla_decode.cutedsl import plan_call
+    from pdserve.kernels.mla_decode.fused_combine import split_counters
+    lens = _b64_lens() if case == "B64_mixed" else LENS[case]
+    _, splits, _ = plan_call(len(lens), H, max(lens), fp8, "swapab", False)
+    assert splits > 1, splits
+    for early_kv in (False, True):
+        for fused in (True, False):
+            check(lens, H, fp8, core="swapab", early_kv=early_kv, fused_combine=fused)
+            assert int(split_counters("cuda", 1).abs().sum()) == 0
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+def test_swapab_fused_combine_graph_and_blockers():
+    """A CUDA graph of back-to-back fused calls (split counts 64, 16, 2: each call reuses the
+    counters the previous one reset) replays three times with the eager bits; a grid larger
+    than one wave, or another core, with fused_combine=True is refused with the reason."""
+    from functools import partial
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    from pdserve.kernels.mla_decode.fused_combine import split_counters
+    run = partial(mla_decode_cutedsl, core="swapab", early_kv=True, fused_combine=True)
+    cases = [(make_case(lens, 32, fp8), ns) for lens, fp8, ns in
+             (([8192 + 5], False, 64), ([100, 5000, 70000, 1, 3, 9000, 64, 65], True, 16),
+              (_b64_lens(), False, 2))]
+    want = [run(q, c, bt, seq, SCALE, kv, num_splits=ns) for (q, c, bt, seq, kv), ns in cases]
+    outs = [(torch.empty_like(o), torch.empty_like(l)) for o, l in want]
+
+    def all_calls():
+        for ((q, c, bt, seq, kv), ns), (o, l) in zip(cases, outs):
+            run(q, c, bt, seq, SCALE, kv, num_splits=ns, out=o, lse=l)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        all_calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        all_calls()
+    for _ in range(3):
+        for o, l in outs:
+            o.fill_(float("nan"))
+            l.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for (o, l), (wo, wl) in zip(outs, want):
+            assert torch.equal(o, wo) and torch.equal(l, wl)
+        assert int(split_counters("cuda", 1).abs().sum()) == 0
+    q, c, bt, seq, kv = make_case([8192], 12, False)
+    with pytest.raises(ValueError, match="exceed one wave"):
+        run(q, c, bt, seq, SCALE, num_splits=200)
+    with pytest.raises(ValueError, match="swapab only"):
+        run(q, c, bt, seq, SCALE, num_splits=8, core="wgmma")
