@@ -296,7 +296,6 @@ class MlaDecodeKernel:
         lse_ptr: cute.Pointer,     # [B, H] fp32 (final, used when num_splits == 1)
         op_ptr: cute.Pointer,      # [S, B, H, 512] fp32 partials (num_splits > 1)
         lsep_ptr: cute.Pointer,    # [S, B, H] fp32 partial LSEs (num_splits > 1)
-        cnt_ptr: cute.Pointer,     # split counters of the swapab core's fused combine (unused)
         batch: Int32,
         heads: Int32,
         num_pages: Int32,
@@ -1019,7 +1018,7 @@ def _fake_args_main(k: MlaDecodeKernel):
     G = cute.AddressSpace.gmem
     P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
     return (P(BFloat16), P(k.kv_dtype), P(Int32), P(Int32), P(BFloat16), P(Float32), P(Float32),
-            P(Float32), P(Int32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1), Float32(1.0),
+            P(Float32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1), Float32(1.0),
             Float32(1.0), make_fake_stream())
 
 
@@ -1059,17 +1058,16 @@ def _core(core: str | None) -> str:
 
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                  early_kv: bool = False, head_groups: int = 1, fused_combine: bool = False):
+                  early_kv: bool = False, head_groups: int = 1):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad; the swapab core uses h_pad (16 / 32, its
-    wgmma N). head_groups > 1 and fused_combine: swapab only (plan_call, mla_decode_cutedsl)."""
+    wgmma N). head_groups > 1: swapab only (plan_call)."""
     core = _core(core)
     assert head_groups == 1 or core == "swapab", (core, head_groups)
-    assert not fused_combine or core == "swapab", (core, fused_combine)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
         return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv),
-                                     int(head_groups), fused_combine=bool(fused_combine))
+                                     int(head_groups))
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
@@ -1077,13 +1075,12 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None =
 
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                 dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1,
-                 fused_combine: bool = False):
+                 dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, fused_combine)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups)
     if dump_dir is not None:
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
@@ -1093,8 +1090,7 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
         # ordered: PDSERVE_MLA_SWAPAB_ORDER; the fp8 PV grouping: PDSERVE_MLA_SWAPAB_PV)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight,
-               k.fused_combine)
+               int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
@@ -1190,34 +1186,10 @@ def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, cor
     return core, num_splits, head_groups
 
 
-# the split combine inside the swapab kernel (fused_combine.py) where the grid fits one wave;
-# PDSERVE_MLA_FUSED_COMBINE=0 keeps the separate CombineKernel (A/B runs)
-FUSED_COMBINE = os.environ.get("PDSERVE_MLA_FUSED_COMBINE", "1") != "0"
-_SM_COUNT: dict = {}
-
-
-def fused_combine_blocker(core: str, num_splits: int, requests: int, ctas_per_sm: int,
-                          num_sms: int) -> str | None:
-    """Why this launch cannot merge its splits in-kernel (None: it can). Its CTAs wait for each
-    other, so the whole grid must be resident at once."""
-    from pdserve.kernels.mla_decode.fused_combine import MAX_SPLITS
-    if num_splits <= 1:
-        return "there is one split, nothing to combine"
-    if core != "swapab":
-        return f"core {core!r} has no in-kernel combine (swapab only)"
-    if num_splits > MAX_SPLITS:
-        return f"num_splits={num_splits} > {MAX_SPLITS}"
-    if requests * num_splits > num_sms * ctas_per_sm:
-        return (f"{requests} x {num_splits} CTAs exceed one wave ({num_sms} SMs x "
-                f"{ctas_per_sm} CTA per SM)")
-    return None
-
-
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-    core: str | None = None, early_kv: bool = False, head_groups: int | None = None,
-    fused_combine: bool | None = None, **_ignored,
+    core: str | None = None, early_kv: bool = False, head_groups: int | None = None, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
@@ -1228,10 +1200,7 @@ def mla_decode_cutedsl(
     seq_lens.max()). `early_kv` lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when
     that kernel writes none of them. `head_groups` (swapab; default choose_head_groups) splits
-    each request's heads over that many CTAs per split. `fused_combine` (default FUSED_COMBINE,
-    on) merges the splits inside the attention kernel where `fused_combine_blocker` allows,
-    else in CombineKernel; True makes a blocker an error (ValueError naming it), False always
-    uses CombineKernel."""
+    each request's heads over that many CTAs per split."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -1266,34 +1235,17 @@ def mla_decode_cutedsl(
     # the main kernel sees B * groups requests of H / groups heads: contiguous views of q, the
     # outputs and the partials; the combine sees [B, H]
     Bv, Hv = B * groups, H // groups
-    counters = None
-    if (FUSED_COMBINE if fused_combine is None else fused_combine) and num_splits > 1:
-        if dev.index not in _SM_COUNT:
-            _SM_COUNT[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
-        per_sm = kernel_config(fp8, h_pad_for(Hv), page_tokens, core, early_kv,
-                               groups).ctas_per_sm
-        blocker = fused_combine_blocker(core, num_splits, Bv, per_sm, _SM_COUNT[dev.index])
-        if blocker is None:
-            from pdserve.kernels.mla_decode.fused_combine import split_counters
-            counters = split_counters(dev, Bv)
-            if counters is None:
-                blocker = ("its split counters cannot be allocated during CUDA-graph capture: "
-                           "make one call on this device before capturing")
-        if blocker is not None and fused_combine:
-            raise ValueError(f"fused_combine=True: {blocker}")
-    fused = counters is not None
     main = compile_main(fp8, h_pad_for(Hv), page_tokens, core, early_kv=early_kv,
-                        head_groups=groups, fused_combine=fused)
+                        head_groups=groups)
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     kv_dt = cutlass.Float8E4M3FN if fp8 else BFloat16
     main(P(BFloat16, q), P(kv_dt, kv_cache), P(Int32, block_table), P(Int32, seq_lens),
          P(BFloat16, out), P(Float32, lse), P(Float32, o_part), P(Float32, lse_part),
-         P(Int32, counters if fused else seq_lens),
          Int32(Bv), Int32(Hv), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
          Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         comb = compile_combine(choose_combine(num_splits))
         comb(P(Float32, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
              Int32(B), Int32(H), Int32(num_splits), stream)

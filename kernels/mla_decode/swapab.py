@@ -225,7 +225,6 @@ from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TIL
                                                 query_tensors, result_tensors, split_tile_range,
                                                 tma_produce_tiles, wgmma_c_mn_view,
                                                 write_empty_split)
-from pdserve.kernels.mla_decode.fused_combine import SCRATCH_BYTES, merge_splits_in_kernel
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -306,7 +305,7 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None, fused_combine: bool = False):
+                 head_groups: int = 1, consumers: int | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -356,11 +355,7 @@ class MlaDecodeSwapAbKernel:
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
         # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
         self.merge_bytes = (128 * 4 * h_pad + 2 * h_pad) * 4 if consumers == 2 else 0
-        # fused_combine: the splits merge in this kernel (fused_combine.py), with its scratch in
-        # the ring after the consumers' merge area (both used only once every tile is consumed)
-        self.fused_combine = bool(fused_combine)
-        self.scratch_offset = -(-self.merge_bytes // 1024) * 1024
-        assert self.scratch_offset + SCRATCH_BYTES <= self.stages * per_stage
+        assert self.merge_bytes <= self.stages * per_stage
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
         # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
         # while the previous is added); False = one chain of 36 wgmmas into S^T. The fp8 wgmma
@@ -397,7 +392,6 @@ class MlaDecodeSwapAbKernel:
         lse_ptr: cute.Pointer,     # [B, H] fp32 (final, used when num_splits == 1)
         op_ptr: cute.Pointer,      # [S, B, H, 512] fp32 partials (num_splits > 1)
         lsep_ptr: cute.Pointer,    # [S, B, H] fp32 partial LSEs (num_splits > 1)
-        cnt_ptr: cute.Pointer,     # [>= B] int32 split counters, 0 between calls (fused_combine)
         batch: Int32,
         heads: Int32,
         num_pages: Int32,
@@ -482,7 +476,7 @@ class MlaDecodeSwapAbKernel:
             cute.make_layout((128 // 8, 8), stride=(8, 1)), cute.make_layout((1, 8)))
 
         self.kernel(
-            qk_mma, pv_mma, tma_atom, mKV_tma, mQ, mBT, mSeq, mO, mLse, mOp, mLsep, cnt_ptr,
+            qk_mma, pv_mma, tma_atom, mKV_tma, mQ, mBT, mSeq, mO, mLse, mOp, mLsep,
             num_splits, scale_log2, out_scale, sQ_layout, sK_layout, sV_layout, sP_layout,
             copy_q, SharedStorage,
         ).launch(grid=(num_splits, batch, 1), block=(self.num_threads, 1, 1), stream=stream,
@@ -495,7 +489,7 @@ class MlaDecodeSwapAbKernel:
         qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom: cute.CopyAtom,
         mKV_tma: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
         mO: cute.Tensor, mLse: cute.Tensor, mOp: cute.Tensor, mLsep: cute.Tensor,
-        cnt_ptr: cute.Pointer, num_splits: Int32, scale_log2: Float32, out_scale: Float32,
+        num_splits: Int32, scale_log2: Float32, out_scale: Float32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
         copy_q: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -511,22 +505,11 @@ class MlaDecodeSwapAbKernel:
         heads = mQ.shape[1]
 
         seqlen, t_begin, t_end = split_tile_range(mSeq, breq, split, num_splits, self.early_kv)
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        nthr_c = 128 * self.consumers         # consumer threads: they write and merge
-        bar_c = BAR_CONSUMER if self.consumers == 1 else BAR_BOTH
         if t_begin >= t_end:
-            if cutlass.const_expr(self.fused_combine):
-                # the consumer threads write the -inf LSE: the merge's barrier covers them
-                if tidx >= 128:
-                    write_empty_split(mLsep, split, b, tidx - 128, heads, self.early_kv)
-                    merge_splits_in_kernel(mOp, mLsep, mO, mLse, cnt_ptr, num_splits, split, b,
-                                           heads, tidx - 128,
-                                           storage.sK.data_ptr().toint() + self.scratch_offset,
-                                           nthr_c, bar_c)
-            else:
-                write_empty_split(mLsep, split, b, tidx, heads, self.early_kv)
+            write_empty_split(mLsep, split, b, tidx, heads, self.early_kv)
         else:
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             nc = self.consumers
@@ -839,11 +822,6 @@ class MlaDecodeSwapAbKernel:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     self._store_o_lse(acc_O, thr_pv.partition_C(gOpt), tOcO, heads_w,
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
-                    if cutlass.const_expr(self.fused_combine):
-                        merge_splits_in_kernel(mOp, mLsep, mO, mLse, cnt_ptr, num_splits, split,
-                                               b, heads, tidx - 128,
-                                               sK.iterator.toint() + self.scratch_offset,
-                                               nthr_c, bar_c)
 
     @cute.jit
     def _store_o_lse(self, src, dst, tOcO, heads_w, lse_row, lse_c, tScS_mn, cwarp, lane):

@@ -113,7 +113,6 @@ class MlaDecodeWgmmaKernel:
         lse_ptr: cute.Pointer,     # [B, H] fp32 (final, used when num_splits == 1)
         op_ptr: cute.Pointer,      # [S, B, H, 512] fp32 partials (num_splits > 1)
         lsep_ptr: cute.Pointer,    # [S, B, H] fp32 partial LSEs (num_splits > 1)
-        cnt_ptr: cute.Pointer,     # split counters of the swapab core's fused combine (unused)
         batch: Int32,
         heads: Int32,
         num_pages: Int32,
