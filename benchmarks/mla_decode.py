@@ -46,8 +46,9 @@ MIN_CALLS = 16
 
 
 def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, head_groups=None):
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call
+    from pdserve.kernels.mla_decode.cutedsl import call_consumers, mla_decode_cutedsl, plan_call
     core, splits, head_groups = plan_call(B, H, L, fp8, core, early_kv, splits, head_groups)
+    consumers = call_consumers(core, fp8, L, splits)
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     n_sets = max(1, min(64, -(-ROTATE_BYTES // per_call)))     # disjoint page sets
@@ -98,7 +99,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
     del g, cache
     torch.cuda.empty_cache()
     return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, early_kv=early_kv,
-                num_splits=splits, head_groups=head_groups,
+                num_splits=splits, head_groups=head_groups, consumers=consumers,
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,

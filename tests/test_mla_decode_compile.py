@@ -222,8 +222,8 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
 
 @pytest.mark.parametrize("kv_fp8,consumers", [(True, 1), (False, 2)])
 def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
-    """PDSERVE_MLA_SWAPAB_CONSUMERS overrides the consumer warpgroup count (default 2 for fp8, 1
-    for bf16): fp8 with one consumer is the previous single-consumer kernel (256 threads, 5
+    """PDSERVE_MLA_SWAPAB_CONSUMERS overrides the consumer warpgroup count (default without a
+    shape 2 for fp8, 1 for bf16; per call cutedsl.call_consumers): fp8 with one consumer is the previous single-consumer kernel (256 threads, 5
     stages), bf16 with two compiles with no spill (opt-in, not the default)."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", str(consumers))
     k = mc.kernel_config(kv_fp8, 32, 64, core="swapab")
@@ -570,6 +570,32 @@ def test_choose_core_follows_the_h200_measurements():
         for H, L, B in ((32, 8192, 1), (12, 1024, 64), (12, None, 1), (32, 131072, 64)):
             assert mc.choose_core(H, L, batch=B, kv_fp8=kv_fp8) == "swapab"
     assert mc.plan_call(1, 32, 8192, True, None, False)[0] == "swapab"
+
+
+def test_call_consumers_one_for_short_fp8_splits(monkeypatch):
+    """fp8 splits of at most 2 tiles get one consumer warpgroup, longer ones (or an unknown
+    length) two; bf16 one; the environment overrides, a bad value is named; the choice reaches
+    the compiled variant (its own cache entry)."""
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_CONSUMERS", raising=False)
+    want = {(1, 1024): 1, (1, 8192): 1, (8, 1024): 1, (1, 32768): 2, (8, 8192): 2,
+            (64, 1024): 2, (64, 131072): 2}
+    for (B, L), n in want.items():
+        for H in (12, 32):
+            core, splits, _ = mc.plan_call(B, H, L, True, None, True)
+            assert mc.call_consumers(core, True, L, splits) == n, (B, L, H, splits)
+            assert mc.call_consumers(core, False, L, splits) == 1
+    assert mc.call_consumers("swapab", True, None, 64) == 2        # length unknown
+    assert mc.call_consumers("swapab", True, 8192 + 1, 64) == 2    # 3 tiles in the longest
+    assert mc.call_consumers("wgmma", True, 8192, 64) is None
+    assert mc.kernel_config(True, 16, 64, core="swapab", consumers=1).consumers == 1
+    assert mc.kernel_config(True, 16, 64, core="swapab").consumers == 2
+    one = mc.compile_main(True, 16, 64, core="swapab", consumers=1)
+    assert one is not mc.compile_main(True, 16, 64, core="swapab", consumers=2)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
+    assert mc.call_consumers("swapab", True, 8192, 64) == 2
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "3")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_CONSUMERS='3'"):
+        mc.call_consumers("swapab", True, 8192, 64)
 
 
 def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():

@@ -1049,6 +1049,38 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
     return "swapab"
 
 
+def choose_consumers(kv_fp8: bool, tiles_per_split: int | None = None) -> int:
+    """Consumer warpgroups of the swapab core: PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 if set (A/B
+    runs); bf16 1; fp8 1 where each split has at most 2 tiles (the pair's Q split, merge and
+    extra warpgroup cost more than the second tile's overlap), else 2 (also when the split size
+    is unknown). H200, 2026-11-29 (session 8), early_kv, us, one / two consumers
+    (benchmarks/results/mla_decode_h200_consumers_session8.json): <= 2 tiles: H=12 B=1 L=8K
+    10.0 / 10.9, B=1 L=1K 8.5 / 8.8, B=8 L=1K 9.4 / 9.9; H=32 B=1 L=8K 12.7 / 13.2, B=8 L=1K
+    13.2 / 13.7; more: H=12 B=1 L=32K (4 tiles) 17.0 / 16.8, B=8 L=8K (8) 21.1 / 20.1,
+    B=64 L=1K (8) 19.9 / 19.1; H=32 B=1 L=32K 21.7 / 20.7, B=8 L=8K 33.4 / 30.2, and the long
+    cells 7-35 % slower with one."""
+    env = os.environ.get("PDSERVE_MLA_SWAPAB_CONSUMERS", "")
+    if env:
+        if env not in ("1", "2"):
+            raise ValueError(f"PDSERVE_MLA_SWAPAB_CONSUMERS={env!r}: must be 1 or 2")
+        return int(env)
+    if not kv_fp8:
+        return 1
+    return 1 if tiles_per_split is not None and tiles_per_split <= 2 else 2
+
+
+def call_consumers(core: str, kv_fp8: bool, max_seq_len: int | None,
+                   num_splits: int) -> int | None:
+    """The swapab core's consumer warpgroups for one call (choose_consumers with the longest
+    request's tiles per split; None for the other cores)."""
+    if core != "swapab":
+        return None
+    tiles = None
+    if max_seq_len is not None:
+        tiles = -(-(-(-int(max_seq_len) // TILE_N)) // int(num_splits))
+    return choose_consumers(kv_fp8, tiles)
+
+
 def _core(core: str | None) -> str:
     core = CORE if core is None else core
     if core == "auto":
@@ -1058,16 +1090,17 @@ def _core(core: str | None) -> str:
 
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                  early_kv: bool = False, head_groups: int = 1):
+                  early_kv: bool = False, head_groups: int = 1, consumers: int | None = None):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad; the swapab core uses h_pad (16 / 32, its
-    wgmma N). head_groups > 1: swapab only (plan_call)."""
+    wgmma N). head_groups > 1: swapab only (plan_call). consumers: swapab's consumer
+    warpgroups (None: choose_consumers without a shape); the other cores ignore it."""
     core = _core(core)
     assert head_groups == 1 or core == "swapab", (core, head_groups)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
         return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv),
-                                     int(head_groups))
+                                     int(head_groups), consumers)
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
@@ -1075,19 +1108,20 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None =
 
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                 dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1):
+                 dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1,
+                 consumers: int | None = None):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)
     if dump_dir is not None:
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
-        # (consumers: 1 or 2 consumer warpgroups, PDSERVE_MLA_SWAPAB_CONSUMERS or the default;
+        # (consumers: 1 or 2 consumer warpgroups, choose_consumers or the caller's;
         # ordered: PDSERVE_MLA_SWAPAB_ORDER; the fp8 PV grouping: PDSERVE_MLA_SWAPAB_PV)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
                int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight)
@@ -1236,7 +1270,8 @@ def mla_decode_cutedsl(
     # outputs and the partials; the combine sees [B, H]
     Bv, Hv = B * groups, H // groups
     main = compile_main(fp8, h_pad_for(Hv), page_tokens, core, early_kv=early_kv,
-                        head_groups=groups)
+                        head_groups=groups,
+                        consumers=call_consumers(core, fp8, msl, num_splits))
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)

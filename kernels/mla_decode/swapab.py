@@ -329,10 +329,11 @@ class MlaDecodeSwapAbKernel:
         self.h_pad = h_pad
         # consumer warpgroups: 1 = one consumer takes every tile; 2 = ping-pong (consumer c takes
         # the split's tiles t_begin + c, t_begin + c + 2, ..., the two merged in the epilogue).
-        # Default: 2 for fp8, 1 for bf16; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides (A/B runs)
+        # Default (None): cutedsl.choose_consumers without a shape (PDSERVE_MLA_SWAPAB_CONSUMERS=1|2,
+        # else 2 for fp8, 1 for bf16); mla_decode_cutedsl passes its per-call choice
         if consumers is None:
-            env = os.environ.get("PDSERVE_MLA_SWAPAB_CONSUMERS", "")
-            consumers = int(env) if env else (2 if self.kv_fp8 else 1)
+            from pdserve.kernels.mla_decode.cutedsl import choose_consumers
+            consumers = choose_consumers(self.kv_fp8)
         if consumers not in (1, 2):
             raise ValueError(f"core 'swapab': consumers must be 1 or 2, got {consumers}")
         self.consumers = consumers
