@@ -71,8 +71,8 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
     def run_all():
         for k in range(K):
             mla_decode_cutedsl(qs[k], cache, bts[k % n_sets], seq, SCALE, kv_scale, num_splits=splits,
-                               out=outs[k], lse=lses[k], core=core, head_groups=head_groups,
-                               early_kv=early_kv)
+                               max_seq_len=L, out=outs[k], lse=lses[k], core=core,
+                               head_groups=head_groups, early_kv=early_kv)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
