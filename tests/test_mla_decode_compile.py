@@ -262,8 +262,9 @@ def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
 @pytest.mark.parametrize("h_pad,consumers", [(32, "2"), (16, "2"), (32, "1")])
 def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     """fp8 swapab: the epilogue writes each head's 16 consecutive latent dims per thread with
-    16-byte stores (per column 4 st.global.v4 for the fp32 partial and 2 for the bf16 output, no
-    scalar output stores; the kernel's trace asserts the 16 addresses are contiguous); PV loads
+    16-byte stores (per column 2 st.global.v4 for the bf16 split partial and 2 for the bf16
+    output, no scalar output stores; the kernel's trace asserts the 16 addresses are contiguous);
+    the split partials are bf16 (partial_dtype) and so is the combine's input; PV loads
     each k-step's V words one k-step ahead (the first before the softmax) in groups of
     (4, 2 in flight) at h_pad 16 and (2, 3 in flight) at 32 (one consumer at 32: per k-step,
     (2, 2)); no spill."""
@@ -278,7 +279,9 @@ def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     ptx = fn.artifacts.PTX
     stores = re.findall(r"\b(st\.global[.\w]*)", ptx)
     n_cols = h_pad // 4
-    assert stores.count("st.global.v4.b32") == n_cols * (4 + 2), stores
+    assert k.partial_dtype is cutlass.BFloat16
+    assert stores.count("st.global.v4.b32") == n_cols * (2 + 2), stores
+    assert "st.global.v4.f32" not in stores                # no fp32 partial left
     assert "st.global.b16" not in stores                 # no scalar bf16 output stores left
     # what is left scalar: the LSE (final / partial) and the empty split's LSE
     assert stores.count("st.global.b32") <= 2 * n_cols + 1, stores
@@ -546,8 +549,14 @@ def test_swapab_fp8_q_split_numerics():
 
 
 def test_combine_kernel_compiles():
+    # fp32 partials (mma, wgmma cores) and bf16 (swapab): separate variants
     for shape in (mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_WIDE):
         assert mc.compile_combine(shape) is mc.compile_combine(shape)
+        bf = mc.compile_combine(shape, cutlass.BFloat16)
+        assert bf is mc.compile_combine(shape, cutlass.BFloat16) and bf is not \
+            mc.compile_combine(shape)
+    assert [mc.kernel_config(False, 32, 64, core=c).partial_dtype for c in mc.CORES] == [
+        cutlass.Float32, cutlass.Float32, cutlass.BFloat16]
     # one group while every split is among a thread's first UNROLL partial loads
     assert [mc.choose_combine(n) for n in (2, 8, 9, 31, 32, 300)] == [
         mc.COMBINE_FEW, mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_NARROW, mc.COMBINE_WIDE,

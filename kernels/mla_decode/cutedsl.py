@@ -241,6 +241,8 @@ class MlaDecodeKernel:
     Registers (cubin, CPU compile): 178 (h_pad 16), 170 (h_pad 32); no spill stack.
     """
 
+    partial_dtype = Float32           # split partials (the swapab core writes bf16)
+
     def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, early_kv: bool = False):
         assert h_pad in (16, 32), h_pad
         assert page_tokens % TILE_N == 0, page_tokens
@@ -889,8 +891,9 @@ class CombineKernel:
     unroll = 8
     max_splits = 1024
 
-    def __init__(self, chunks: int = 1, groups: int = 4):
+    def __init__(self, chunks: int = 1, groups: int = 4, partial_dtype=Float32):
         assert (D_V // 4) % chunks == 0 and groups >= 1, (chunks, groups)
+        self.partial_dtype = partial_dtype    # the main kernel's (Float32 or BFloat16)
         self.chunks = chunks
         self.groups = groups
         self.cols = D_V // 4 // chunks                # threads per group (4 columns each)
@@ -942,7 +945,8 @@ class CombineKernel:
         col = tidx % self.cols                  # 4-column tile within the chunk
         gcol = chunk * self.cols + col          # 4-column tile within the 512 columns
         grp = tidx // self.cols
-        pre = cute.make_rmem_tensor(cute.make_layout((4, self.unroll), stride=(1, 4)), Float32)
+        pre = cute.make_rmem_tensor(cute.make_layout((4, self.unroll), stride=(1, 4)),
+                                    self.partial_dtype)
         for i in cutlass.range_constexpr(self.unroll):
             if grp + i * self.groups < num_splits:
                 cute.autovec_copy(
@@ -984,13 +988,13 @@ class CombineKernel:
             if grp + i * self.groups < num_splits:
                 w_s = sW[grp + i * self.groups]
                 if w_s > Float32(0.0):
-                    acc.store(acc.load() + pre[None, i].load() * w_s)
+                    acc.store(acc.load() + pre[None, i].load().to(Float32) * w_s)
         for s in cutlass.range(grp + self.unroll * self.groups, num_splits, self.groups,
                                unroll=1):
             w_s = sW[s]
             if w_s > Float32(0.0):
                 part = cute.local_tile(mOp[s, b, h, None], (4,), (gcol,))
-                acc.store(acc.load() + part.load() * w_s)
+                acc.store(acc.load() + part.load().to(Float32) * w_s)
         if grp > 0:
             cute.local_tile(sAcc[grp - 1, None], (4,), (col,)).store(acc.load())
         cute.arch.sync_threads()
@@ -1017,8 +1021,9 @@ def _fake_args_main(k: MlaDecodeKernel):
     from cutlass.runtime import make_fake_stream
     G = cute.AddressSpace.gmem
     P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
-    return (P(BFloat16), P(k.kv_dtype), P(Int32), P(Int32), P(BFloat16), P(Float32), P(Float32),
-            P(Float32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1), Float32(1.0),
+    return (P(BFloat16), P(k.kv_dtype), P(Int32), P(Int32), P(BFloat16), P(Float32),
+            P(k.partial_dtype), P(Float32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1),
+            Float32(1.0),
             Float32(1.0), make_fake_stream())
 
 
@@ -1149,16 +1154,17 @@ def choose_combine(num_splits: int) -> tuple[int, int]:
     return COMBINE_FEW if num_splits <= CombineKernel.unroll else COMBINE_NARROW
 
 
-def compile_combine(shape: tuple[int, int] = COMBINE_NARROW):
-    """Compiled LSE combine kernel for (column chunks, groups) (cached for the process)."""
-    key = ("combine",) + tuple(shape)
+def compile_combine(shape: tuple[int, int] = COMBINE_NARROW, partial_dtype=Float32):
+    """Compiled LSE combine kernel for (column chunks, groups) and the partials' element type
+    (cached for the process)."""
+    key = ("combine",) + tuple(shape) + (partial_dtype.__name__,)
     if key not in _COMPILED:
         from cutlass.cute.runtime import make_ptr
         from cutlass.runtime import make_fake_stream
         G = cute.AddressSpace.gmem
         P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
-        k = CombineKernel(*shape)
-        _COMPILED[key] = (k, cute.compile(k, P(Float32), P(Float32), P(BFloat16), P(Float32),
+        k = CombineKernel(*shape, partial_dtype=partial_dtype)
+        _COMPILED[key] = (k, cute.compile(k, P(partial_dtype), P(Float32), P(BFloat16), P(Float32),
                                           Int32(1), Int32(1), Int32(2), make_fake_stream()))
     return _COMPILED[key][1]
 
@@ -1258,8 +1264,12 @@ def mla_decode_cutedsl(
         out = torch.empty(B, H, D_V, dtype=torch.bfloat16, device=dev)
     if lse is None:
         lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    # split partials in the core's dtype (bf16 for swapab, fp32 for the others)
+    pdt = kernel_config(fp8, h_pad_for(H // groups), page_tokens, core, early_kv,
+                        groups).partial_dtype
     if num_splits > 1:
-        o_part = torch.empty(num_splits, B, H, D_V, dtype=torch.float32, device=dev)
+        o_part = torch.empty(num_splits, B, H, D_V, device=dev,
+                             dtype=torch.bfloat16 if pdt is BFloat16 else torch.float32)
         lse_part = torch.empty(num_splits, B, H, dtype=torch.float32, device=dev)
     else:
         o_part, lse_part = lse, lse          # never touched with one split
@@ -1277,11 +1287,11 @@ def mla_decode_cutedsl(
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     kv_dt = cutlass.Float8E4M3FN if fp8 else BFloat16
     main(P(BFloat16, q), P(kv_dt, kv_cache), P(Int32, block_table), P(Int32, seq_lens),
-         P(BFloat16, out), P(Float32, lse), P(Float32, o_part), P(Float32, lse_part),
+         P(BFloat16, out), P(Float32, lse), P(pdt, o_part), P(Float32, lse_part),
          Int32(Bv), Int32(Hv), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
          Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
     if num_splits > 1:
-        comb = compile_combine(choose_combine(num_splits))
-        comb(P(Float32, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
+        comb = compile_combine(choose_combine(num_splits), pdt)
+        comb(P(pdt, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
              Int32(B), Int32(H), Int32(num_splits), stream)
     return out, lse

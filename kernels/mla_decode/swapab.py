@@ -304,6 +304,11 @@ class MlaDecodeSwapAbKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32 = the wgmma
     N) and page size (a multiple of 64)."""
 
+    # split partials in bf16: half the bytes of fp32 to write here and to read in the combine
+    # (B=1 L=8K H=32: 4 MB -> 2 MB per call); each split's normalized output gets one bf16
+    # rounding, as the final output does
+    partial_dtype = BFloat16
+
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
                  head_groups: int = 1, consumers: int | None = None):
         if h_pad not in (16, 32):
@@ -813,20 +818,21 @@ class MlaDecodeSwapAbKernel:
                     t_layout = cute.make_layout((DIM_PERM, hp), stride=(DIM_PERM_STRIDE, D_V))
                 else:
                     t_layout = cute.make_layout((D_V, hp), stride=(1, D_V))
+                # bf16 both as the output (one split) and as the split partial (PARTIAL_DTYPE)
+                rO = cute.make_fragment_like(acc_O, BFloat16)
+                rO.store(acc_O.load().to(BFloat16))
                 if num_splits == 1:
                     gOt = cute.make_tensor(mO[b, None, None].iterator, t_layout)
-                    rO = cute.make_fragment_like(acc_O, BFloat16)
-                    rO.store(acc_O.load().to(BFloat16))
                     self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads_w, mLse[b, None],
                                       lse_c, tScS_mn, cwarp, lane)
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
-                    self._store_o_lse(acc_O, thr_pv.partition_C(gOpt), tOcO, heads_w,
+                    self._store_o_lse(rO, thr_pv.partition_C(gOpt), tOcO, heads_w,
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
 
     @cute.jit
     def _store_o_lse(self, src, dst, tOcO, heads_w, lse_row, lse_c, tScS_mn, cwarp, lane):
-        """The epilogue's writes: O^T (src: the bf16 output or the fp32 partial fragment) through
+        """The epilogue's writes: O^T (src: its bf16 copy, the output or the split partial) through
         its C partition dst, heads < heads_w only (fp8: 16-byte vectors, _store_cols_vec), and
         the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every column)."""
         if cutlass.const_expr(self.kv_fp8):
