@@ -304,10 +304,6 @@ class MlaDecodeSwapAbKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32 = the wgmma
     N) and page size (a multiple of 64)."""
 
-    # split partials in bf16: half the bytes of fp32 to write here and to read in the combine
-    # (B=1 L=8K H=32: 4 MB -> 2 MB per call); each split's normalized output gets one bf16
-    # rounding, as the final output does
-    partial_dtype = BFloat16
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
                  head_groups: int = 1, consumers: int | None = None):
@@ -385,6 +381,13 @@ class MlaDecodeSwapAbKernel:
                 raise ValueError(f"PDSERVE_MLA_SWAPAB_PV={env!r}: group 1|2|4|8, in_flight 1..8")
             self.pv_group, self.pv_in_flight = g, f
         self.consumer_regs = CONSUMER_REGS
+        # split partials in bf16: half the bytes of fp32 to write here and to read in the
+        # combine (B=1 L=8K H=32: 4 MB -> 2 MB per call); each split's normalized output gets one
+        # bf16 rounding, as the final output does. PDSERVE_MLA_SWAPAB_PARTIAL=fp32: A/B runs
+        env = os.environ.get("PDSERVE_MLA_SWAPAB_PARTIAL", "bf16")
+        if env not in ("bf16", "fp32"):
+            raise ValueError(f"PDSERVE_MLA_SWAPAB_PARTIAL={env!r}: bf16 or fp32")
+        self.partial_dtype = BFloat16 if env == "bf16" else Float32
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -818,16 +821,17 @@ class MlaDecodeSwapAbKernel:
                     t_layout = cute.make_layout((DIM_PERM, hp), stride=(DIM_PERM_STRIDE, D_V))
                 else:
                     t_layout = cute.make_layout((D_V, hp), stride=(1, D_V))
-                # bf16 both as the output (one split) and as the split partial (PARTIAL_DTYPE)
-                rO = cute.make_fragment_like(acc_O, BFloat16)
-                rO.store(acc_O.load().to(BFloat16))
                 if num_splits == 1:
                     gOt = cute.make_tensor(mO[b, None, None].iterator, t_layout)
+                    rO = cute.make_fragment_like(acc_O, BFloat16)
+                    rO.store(acc_O.load().to(BFloat16))
                     self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads_w, mLse[b, None],
                                       lse_c, tScS_mn, cwarp, lane)
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
-                    self._store_o_lse(rO, thr_pv.partition_C(gOpt), tOcO, heads_w,
+                    rOp = cute.make_fragment_like(acc_O, self.partial_dtype)
+                    rOp.store(acc_O.load().to(self.partial_dtype))
+                    self._store_o_lse(rOp, thr_pv.partition_C(gOpt), tOcO, heads_w,
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
 
     @cute.jit
