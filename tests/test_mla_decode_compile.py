@@ -555,8 +555,9 @@ def test_combine_kernel_compiles():
         bf = mc.compile_combine(shape, cutlass.BFloat16)
         assert bf is mc.compile_combine(shape, cutlass.BFloat16) and bf is not \
             mc.compile_combine(shape)
-    assert [mc.kernel_config(False, 32, 64, core=c).partial_dtype for c in mc.CORES] == [
-        cutlass.Float32, cutlass.Float32, cutlass.BFloat16]
+    assert [mc.kernel_config(kv_fp8, 32, 64, core=c).partial_dtype
+            for kv_fp8 in (False, True) for c in mc.CORES] == [
+        cutlass.Float32] * 5 + [cutlass.BFloat16]        # bf16 partials: swapab with fp8 only
     # one group while every split is among a thread's first UNROLL partial loads
     assert [mc.choose_combine(n) for n in (2, 8, 9, 31, 32, 300)] == [
         mc.COMBINE_FEW, mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_NARROW, mc.COMBINE_WIDE,

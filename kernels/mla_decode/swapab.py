@@ -381,13 +381,19 @@ class MlaDecodeSwapAbKernel:
                 raise ValueError(f"PDSERVE_MLA_SWAPAB_PV={env!r}: group 1|2|4|8, in_flight 1..8")
             self.pv_group, self.pv_in_flight = g, f
         self.consumer_regs = CONSUMER_REGS
-        # split partials in bf16: half the bytes of fp32 to write here and to read in the
-        # combine (B=1 L=8K H=32: 4 MB -> 2 MB per call); each split's normalized output gets one
-        # bf16 rounding, as the final output does. PDSERVE_MLA_SWAPAB_PARTIAL=fp32: A/B runs
-        env = os.environ.get("PDSERVE_MLA_SWAPAB_PARTIAL", "bf16")
-        if env not in ("bf16", "fp32"):
+        # split partials: bf16 for the fp8 cache (half the bytes of fp32 to write here and to
+        # read in the combine; each split's normalized output gets one bf16 rounding, as the
+        # final output does), fp32 for the bf16 cache, whose scalar epilogue stores lost with
+        # bf16 at small B x L. H200, session 8, early_kv, us bf16 / fp32 partials
+        # (results/mla_decode_h200_partials_session8.json): fp8 H=32 B=1 L=8K 10.3 / 13.0,
+        # B=8 L=32K 57.4 / 62.3, B=64 L=8K 106.3 / 110.7, H=12 B=1 L=8K 9.3 / 10.0; bf16 H=12
+        # B=1 L=1K 7.7 / 6.4, H=32 B=1 L=8K 11.2 / 10.8. PDSERVE_MLA_SWAPAB_PARTIAL=bf16|fp32
+        # overrides (A/B runs)
+        env = os.environ.get("PDSERVE_MLA_SWAPAB_PARTIAL", "")
+        if env not in ("", "bf16", "fp32"):
             raise ValueError(f"PDSERVE_MLA_SWAPAB_PARTIAL={env!r}: bf16 or fp32")
-        self.partial_dtype = BFloat16 if env == "bf16" else Float32
+        bf16_part = env == "bf16" if env else self.kv_fp8
+        self.partial_dtype = BFloat16 if bf16_part else Float32
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
