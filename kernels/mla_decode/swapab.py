@@ -827,17 +827,22 @@ class MlaDecodeSwapAbKernel:
                     t_layout = cute.make_layout((DIM_PERM, hp), stride=(DIM_PERM_STRIDE, D_V))
                 else:
                     t_layout = cute.make_layout((D_V, hp), stride=(1, D_V))
+                # bf16 partials: one bf16 copy of O^T serves the output and the partial
+                part = acc_O
+                if cutlass.const_expr(self.partial_dtype is BFloat16):
+                    part = cute.make_fragment_like(acc_O, BFloat16)
+                    part.store(acc_O.load().to(BFloat16))
                 if num_splits == 1:
                     gOt = cute.make_tensor(mO[b, None, None].iterator, t_layout)
-                    rO = cute.make_fragment_like(acc_O, BFloat16)
-                    rO.store(acc_O.load().to(BFloat16))
+                    rO = part
+                    if cutlass.const_expr(self.partial_dtype is not BFloat16):
+                        rO = cute.make_fragment_like(acc_O, BFloat16)
+                        rO.store(acc_O.load().to(BFloat16))
                     self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads_w, mLse[b, None],
                                       lse_c, tScS_mn, cwarp, lane)
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
-                    rOp = cute.make_fragment_like(acc_O, self.partial_dtype)
-                    rOp.store(acc_O.load().to(self.partial_dtype))
-                    self._store_o_lse(rOp, thr_pv.partition_C(gOpt), tOcO, heads_w,
+                    self._store_o_lse(part, thr_pv.partition_C(gOpt), tOcO, heads_w,
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
 
     @cute.jit
