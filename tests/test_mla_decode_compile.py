@@ -297,8 +297,13 @@ def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     # the A/B override has its own cache entry
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PV", "2,2")
     assert (mc.kernel_config(True, h_pad, 64, core="swapab").pv_in_flight) == 2
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PV", "3,2")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PV"):
+    for bad in ("3,2", "2", "2,x", "2,2,2"):
+        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PV", bad)
+        with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PV"):
+            mc.kernel_config(True, h_pad, 64, core="swapab")
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_PV")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PARTIAL", "fp16")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PARTIAL='fp16'"):
         mc.kernel_config(True, h_pad, 64, core="swapab")
 
 

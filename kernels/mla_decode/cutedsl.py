@@ -25,15 +25,18 @@ LSE = -inf only, and the combine skips it.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
-Status on the H200 (2026-11-29, session 7, commit 8c1d4b6; CUDA-graph medians, >= 16 calls
+Status on the H200 (2026-11-30, session 8, commit 8d739a4; CUDA-graph medians, >= 16 calls
 per graph; benchmarks/results/mla_decode_h200_auto.json and _auto_early_kv.json):
   * `choose_core` takes the swapab core (swapab.py) for every call, bf16 and fp8.
-  * bf16: 88-107 % of the 4245 GB/s copy floor in every cell with B x L >= 256K tokens, at
-    H = 12 and H = 32 (above 100 % because a pure read stream beats the copy's read + write mix).
-  * fp8: 76-95 % at H = 12 and 58-72 % at H = 32 where B x L >= 256K (H=32 B=64 L=32K 421.4 us
-    = 68 %, B=8 L=32K 61.4 = 58 %).
-  * B = 1, L = 8K, bf16: 8.0 us at H = 12 and 10.8 us at H = 32 with early_kv, 10.0 / 11.9
-    without.
+  * bf16: 88-105 % (early_kv) / 86-105 % of the 4245 GB/s copy floor in every cell with
+    B x L >= 256K tokens, at H = 12 and H = 32 (above 100 % because a pure read stream beats the
+    copy's read + write mix).
+  * fp8 where B x L >= 256K: H = 12 77-96 % / 76-93 %; H = 32 63-71 % / 61-74 % (H=32 B=8
+    L=32K 56.9 us = 63 %, B=64 L=32K 433.4 = 66 %; another run of the same fp8 kernels this
+    session: 62-76 %, results/mla_decode_h200_partials_session8.json).
+  * B = 1, L = 8K with early_kv: bf16 8.3 us at H = 12, 10.7 at H = 32; fp8 9.3 / 10.3
+    (without early_kv: bf16 10.1 / 11.9, fp8 9.7 / 10.6).
+  * split partials: fp32, except the swapab core with an fp8 cache (bf16, see swapab.py).
   * `early_kv=True` (opt-in; all three cores): the main kernel issues its seq_lens,
     block-table and first KV-tile reads before griddepcontrol.wait, so the first tile's DRAM
     round trips overlap the previous kernel; Q and every write stay behind the wait. Contract:
@@ -56,8 +59,9 @@ mla_decode_h200.json), us:
 A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab"; bf16 and fp8), swaps A and B
 so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
 padding to 64 rows; `choose_core` picks it for every call. Its fp8 path runs two consumer
-warpgroups on alternate tiles by default (PDSERVE_MLA_SWAPAB_CONSUMERS=1 selects one,
-PDSERVE_MLA_SWAPAB_ORDER=1 orders their S^T phases; see swapab.py).
+warpgroups on alternate tiles where a split has more than 2 tiles (`choose_consumers`;
+PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides, PDSERVE_MLA_SWAPAB_ORDER=1 orders their S^T phases;
+see swapab.py).
 """
 from __future__ import annotations
 

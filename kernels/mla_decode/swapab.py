@@ -15,7 +15,7 @@ padded to 64) and the tokens / latent dims are M:
   * warpgroup 0, warp 0 = TMA producer, as in wgmma.py: per tile one TMA (128-byte swizzle) of the
     [64, 576] tile into a 2-stage ring (`pipeline.PipelineTmaAsync`), setmaxnreg 24.
   * warpgroup 1 = the single consumer (setmaxnreg 240; the fp8 path has two consumer warpgroups
-    by default, see "two consumer warpgroups" below):
+    where splits are longer than 2 tiles, see "two consumer warpgroups" below):
       - Q [h_pad, 576] loaded once into smem (cp.async; rows >= H zero), K-major, 128-byte swizzle.
       - S^T [64 tokens, N] = K Q^T: 36 wgmma m64nNk16, A = the K tile in smem (K-major, the bytes
         TMA wrote), B = Q in smem (K-major). fp32, N / 2 registers per thread.
@@ -105,8 +105,9 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
   H=32 60 % of the copy floor; ~1.86 us per 64-token tile at H=32, everything serial in the one
   consumer).
 
-Two consumer warpgroups ("ping-pong", `consumers` = 2: the default for fp8; bf16 keeps 1, its PTX
-unchanged; PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs):
+Two consumer warpgroups ("ping-pong", `consumers` = 2: fp8 calls whose splits have more than 2
+tiles; fp8 splits of <= 2 tiles and bf16 run 1 (cutedsl.choose_consumers, per call; bf16 PTX
+unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs):
   * 384 threads: warpgroup 0 = producer (setmaxnreg 24), warpgroups 1 and 2 = consumers 0 and 1
     (setmaxnreg 240; 128 x 24 + 256 x 240 = 64,512 <= 65,536 registers; 168 at launch).
     Consumer c takes the split's tiles t_begin + c, t_begin + c + 2, ..., each with its own
@@ -171,7 +172,8 @@ one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb +
 = dim 128 w + 16 g + 2 mb + r8), i.e. 64 contiguous bytes of the fp32 partial row
 [split, b, h, :] and 32 of the bf16 output row [b, h, :], 64 / 32-byte aligned (rows are 2,048 /
 1,024 bytes from a 16-byte aligned base). Per head column the thread issues 4 st.global.v4.b32
-(partials) or 2 (bf16 output); at h_pad 32, 48 vector stores instead of 128 st.global.b32 +
+for an fp32 partial or 2 for bf16 (output, and the partials since session 8: partial_dtype);
+at h_pad 32 (session 7, fp32 partials), 48 vector stores instead of 128 st.global.b32 +
 128 st.global.b16 (the scalar stores wrote 4 bytes per 32-byte sector: the DIM_PERM rows of 8
 lanes are 16 dims apart). The trace asserts that a column's 16 addresses have unit stride (the
 bf16 path's rows are not contiguous, it keeps scalar stores, which fill whole sectors there).
@@ -201,6 +203,27 @@ softmax (column max across the 4 warps through smem) and ~32 % in PV; the tensor
 busy, so the consumers are latency-bound, not MMA-bound. Tried and dropped: a fifth stage
 (above), one e4m3 wgmma of N = 2 h_pad per k-step for Q_hi and Q_lo (branch mla-qk-joint: H=12
 passed and was within noise, H=32 failed the GPU tests).
+
+Session 8 (2026-11-30; results/mla_decode_h200_auto.json / _auto_early_kv.json from 8d739a4,
+whose fp8 and bf16 PTX equal the GPU-tested 74eea87 / 795ec22 up to instruction order):
+  * split partials: bf16 for the fp8 cache (`partial_dtype`; the combine reads them as bf16), fp32
+    for the bf16 cache; A/B (results/mla_decode_h200_partials_session8.json, early_kv, us bf16 /
+    fp32): fp8 H=32 B=1 L=8K 10.3 / 13.0, B=8 L=1K 11.3 / 13.2, B=8 L=32K 57.4 / 62.3, B=64 L=8K
+    106.3 / 110.7, H=12 B=1 L=8K 9.3 / 10.0; bf16 lost at small B x L (H=12 B=1 L=1K 7.7 / 6.4,
+    B=8 L=1K 9.5 / 7.9, H=32 B=1 L=8K 11.2 / 10.8), so it keeps fp32.
+  * one consumer for fp8 splits of <= 2 tiles (cutedsl.choose_consumers).
+  * B=1 L=8K with early_kv: fp8 H=12 9.3 us, H=32 10.3; bf16 8.3 / 10.7. fp8 H=32 where
+    B x L >= 256K: 63-71 % in the final run (61-74 % without early_kv); the same fp8 kernels
+    reached 75 % (B=8 L=128K 188.8 us) and 76 % (B=64 L=32K 372.2) in another run of this
+    session (partials_session8.json, "full_grid_bf16_partials_for_both_caches"): between runs
+    (fresh machines) the long cells moved by up to ~15 %.
+  * measured and not kept: the split combine inside the attention kernel (per-request
+    counters, each split CTA merging a 1 / num_splits slice; branch mla-fused-combine-swapab):
+    correct (its 17 GPU tests passed) but slower in 22 of 24 cells, e.g. B=1 L=8K bf16 H=32 17.5
+    vs 10.8 us (results/mla_decode_h200_fused_combine_ab.json). Diagnostics
+    (results/mla_decode_h200_session8_experiments.json, from stdout): skipping the Q_lo half of
+    S^T (wrong values) is ~11 % faster at H=32 B>=8, the upper bound of a joint Q_hi / Q_lo
+    wgmma; replacing the V cvt by a mov 2-5 %; qk_promote's 9 chunks cost no B=1 latency.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
@@ -376,9 +399,13 @@ class MlaDecodeSwapAbKernel:
             self.pv_in_flight = 2
         env = os.environ.get("PDSERVE_MLA_SWAPAB_PV", "")     # A/B runs: "group,in_flight"
         if env and self.kv_fp8:
-            g, f = (int(x) for x in env.split(","))
+            try:
+                g, f = (int(x) for x in env.split(","))
+            except ValueError:
+                g = f = 0                     # refused below, with the variable's name
             if g not in (1, 2, 4, 8) or not 1 <= f <= 8:
-                raise ValueError(f"PDSERVE_MLA_SWAPAB_PV={env!r}: group 1|2|4|8, in_flight 1..8")
+                raise ValueError(f"PDSERVE_MLA_SWAPAB_PV={env!r}: 'group,in_flight' with group "
+                                 "1|2|4|8 and in_flight 1..8")
             self.pv_group, self.pv_in_flight = g, f
         self.consumer_regs = CONSUMER_REGS
         # split partials: bf16 for the fp8 cache (half the bytes of fp32 to write here and to
