@@ -245,7 +245,7 @@ class MlaDecodeKernel:
     Registers (cubin, CPU compile): 178 (h_pad 16), 170 (h_pad 32); no spill stack.
     """
 
-    partial_dtype = Float32           # split partials (the swapab core writes bf16)
+    partial_dtype = Float32           # split partials (swapab: bf16 for the fp8 cache)
 
     def __init__(self, kv_fp8: bool, h_pad: int, page_tokens: int, early_kv: bool = False):
         assert h_pad in (16, 32), h_pad
@@ -1027,8 +1027,7 @@ def _fake_args_main(k: MlaDecodeKernel):
     P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
     return (P(BFloat16), P(k.kv_dtype), P(Int32), P(Int32), P(BFloat16), P(Float32),
             P(k.partial_dtype), P(Float32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1),
-            Float32(1.0),
-            Float32(1.0), make_fake_stream())
+            Float32(1.0), Float32(1.0), make_fake_stream())
 
 
 # attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or
@@ -1060,14 +1059,15 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
 
 def choose_consumers(kv_fp8: bool, tiles_per_split: int | None = None) -> int:
     """Consumer warpgroups of the swapab core: PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 if set (A/B
-    runs); bf16 1; fp8 1 where each split has at most 2 tiles (the pair's Q split, merge and
-    extra warpgroup cost more than the second tile's overlap), else 2 (also when the split size
-    is unknown). H200, 2026-11-29 (session 8), early_kv, us, one / two consumers
+    runs); bf16 1; fp8 1 where each split has at most 2 tiles (there the pair's merge and second
+    Q split apparently cost more than running the two tiles side by side saves), else 2 (also
+    when the split size is unknown). H200, 2026-11-29 (session 8), early_kv, us, one / two consumers
     (benchmarks/results/mla_decode_h200_consumers_session8.json): <= 2 tiles: H=12 B=1 L=8K
     10.0 / 10.9, B=1 L=1K 8.5 / 8.8, B=8 L=1K 9.4 / 9.9; H=32 B=1 L=8K 12.7 / 13.2, B=8 L=1K
     13.2 / 13.7; more: H=12 B=1 L=32K (4 tiles) 17.0 / 16.8, B=8 L=8K (8) 21.1 / 20.1,
-    B=64 L=1K (8) 19.9 / 19.1; H=32 B=1 L=32K 21.7 / 20.7, B=8 L=8K 33.4 / 30.2, and the long
-    cells 7-35 % slower with one."""
+    B=64 L=1K (8) 19.9 / 19.1; H=32 B=1 L=32K 21.7 / 20.7, B=8 L=8K 33.4 / 30.2; over every
+    cell with more than 2 tiles per split one consumer is 1-25 % slower (H=32 B=8 L=128K
+    240.4 / 192.4)."""
     env = os.environ.get("PDSERVE_MLA_SWAPAB_CONSUMERS", "")
     if env:
         if env not in ("1", "2"):

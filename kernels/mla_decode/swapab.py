@@ -204,8 +204,10 @@ busy, so the consumers are latency-bound, not MMA-bound. Tried and dropped: a fi
 (above), one e4m3 wgmma of N = 2 h_pad per k-step for Q_hi and Q_lo (branch mla-qk-joint: H=12
 passed and was within noise, H=32 failed the GPU tests).
 
-Session 8 (2026-11-30; results/mla_decode_h200_auto.json / _auto_early_kv.json from 8d739a4,
-whose fp8 and bf16 PTX equal the GPU-tested 74eea87 / 795ec22 up to instruction order):
+Session 8 (2026-11-30; results/mla_decode_h200_auto.json / _auto_early_kv.json ran on 8d739a4;
+the code since has the PTX of 74eea87 for the fp8 variants and of 795ec22 for bf16, both of
+which passed all 244 MLA GPU tests; 8d739a4's fp8 PTX differed only in where O^T is converted
+to bf16):
   * split partials: bf16 for the fp8 cache (`partial_dtype`; the combine reads them as bf16), fp32
     for the bf16 cache; A/B (results/mla_decode_h200_partials_session8.json, early_kv, us bf16 /
     fp32): fp8 H=32 B=1 L=8K 10.3 / 13.0, B=8 L=1K 11.3 / 13.2, B=8 L=32K 57.4 / 62.3, B=64 L=8K
@@ -327,7 +329,6 @@ class MlaDecodeSwapAbKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32 = the wgmma
     N) and page size (a multiple of 64)."""
 
-
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
                  head_groups: int = 1, consumers: int | None = None):
         if h_pad not in (16, 32):
@@ -353,7 +354,7 @@ class MlaDecodeSwapAbKernel:
         self.h_pad = h_pad
         # consumer warpgroups: 1 = one consumer takes every tile; 2 = ping-pong (consumer c takes
         # the split's tiles t_begin + c, t_begin + c + 2, ..., the two merged in the epilogue).
-        # Default (None): cutedsl.choose_consumers without a shape (PDSERVE_MLA_SWAPAB_CONSUMERS=1|2,
+        # Default (None): cutedsl.choose_consumers without a shape (PDSERVE_MLA_SWAPAB_CONSUMERS,
         # else 2 for fp8, 1 for bf16); mla_decode_cutedsl passes its per-call choice
         if consumers is None:
             from pdserve.kernels.mla_decode.cutedsl import choose_consumers
@@ -874,8 +875,8 @@ class MlaDecodeSwapAbKernel:
 
     @cute.jit
     def _store_o_lse(self, src, dst, tOcO, heads_w, lse_row, lse_c, tScS_mn, cwarp, lane):
-        """The epilogue's writes: O^T (src: its bf16 copy, the output or the split partial) through
-        its C partition dst, heads < heads_w only (fp8: 16-byte vectors, _store_cols_vec), and
+        """The epilogue's writes: O^T (src: the bf16 output, or the partial in partial_dtype)
+        through its C partition dst, heads < heads_w only (fp8: 16-byte vectors, _store_cols_vec), and
         the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every column)."""
         if cutlass.const_expr(self.kv_fp8):
             self._store_cols_vec(src, dst, tOcO, heads_w)

@@ -79,7 +79,7 @@ BAR_WG0 = 2                 # + consumer warpgroup index
 class MlaDecodeWgmmaKernel:
     """One compiled variant: cache dtype (bf16 / fp8 e4m3) and page size (a multiple of 64)."""
 
-    partial_dtype = Float32           # split partials (the swapab core writes bf16)
+    partial_dtype = Float32           # split partials (swapab: bf16 for the fp8 cache)
 
     def __init__(self, kv_fp8: bool, page_tokens: int, early_kv: bool = False):
         assert page_tokens % TILE_N == 0, page_tokens
