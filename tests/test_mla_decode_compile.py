@@ -223,8 +223,9 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
 @pytest.mark.parametrize("kv_fp8,consumers", [(True, 1), (False, 2)])
 def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
     """PDSERVE_MLA_SWAPAB_CONSUMERS overrides the consumer warpgroup count (default without a
-    shape 2 for fp8, 1 for bf16; per call cutedsl.call_consumers): fp8 with one consumer is the previous single-consumer kernel (256 threads, 5
-    stages), bf16 with two compiles with no spill (opt-in, not the default)."""
+    shape 2 for fp8, 1 for bf16; per call cutedsl.call_consumers): fp8 with one consumer is the
+    previous single-consumer kernel (256 threads, 5 stages), bf16 with two compiles with no
+    spill (opt-in, not the default)."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", str(consumers))
     k = mc.kernel_config(kv_fp8, 32, 64, core="swapab")
     assert k.consumers == consumers and k.num_threads == 128 * (1 + consumers)

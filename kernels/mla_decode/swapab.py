@@ -876,8 +876,9 @@ class MlaDecodeSwapAbKernel:
     @cute.jit
     def _store_o_lse(self, src, dst, tOcO, heads_w, lse_row, lse_c, tScS_mn, cwarp, lane):
         """The epilogue's writes: O^T (src: the bf16 output, or the partial in partial_dtype)
-        through its C partition dst, heads < heads_w only (fp8: 16-byte vectors, _store_cols_vec), and
-        the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every column)."""
+        through its C partition dst, heads < heads_w only (fp8: 16-byte vectors,
+        _store_cols_vec), and the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every
+        column)."""
         if cutlass.const_expr(self.kv_fp8):
             self._store_cols_vec(src, dst, tOcO, heads_w)
         else:
