@@ -660,3 +660,45 @@ def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, core, kv_f
         waits[early] = ptx.count("griddepcontrol.wait")
         assert ptx.count("griddepcontrol.launch_dependents") == 1
     assert waits == {False: 1, True: 2}, waits
+
+
+def test_check_inputs_names_the_problem():
+    """mla_decode_cutedsl's argument checks run before any GPU work (CPU tensors here): a good
+    call passes, each malformed argument raises a ValueError that names it."""
+    import torch
+    B, H, P = 2, 12, 64
+
+    def args(**kw):
+        a = dict(q=torch.zeros(B, H, 576, dtype=torch.bfloat16),
+                 kv_cache=torch.zeros(5, P, 576, dtype=torch.bfloat16),
+                 block_table=torch.zeros(B, 3, dtype=torch.int32),
+                 seq_lens=torch.ones(B, dtype=torch.int32), out=None, lse=None, num_splits=None)
+        a.update(kw)
+        return a
+
+    mc.check_inputs(**args())
+    mc.check_inputs(**args(kv_cache=torch.zeros(5, 128, 576).to(torch.float8_e4m3fn),
+                           out=torch.zeros(B, H, 512, dtype=torch.bfloat16),
+                           lse=torch.zeros(B, H), num_splits=7))
+    bad = {
+        "q must be \\[B, H, 576\\]": args(q=torch.zeros(B, H, 512, dtype=torch.bfloat16)),
+        "q must be bfloat16": args(q=torch.zeros(B, H, 576)),
+        "1 <= H <= 32": args(q=torch.zeros(B, 33, 576, dtype=torch.bfloat16)),
+        "kv_cache must be bfloat16 or float8": args(kv_cache=torch.zeros(5, P, 576)),
+        "page_tokens must be a multiple of 64": args(
+            kv_cache=torch.zeros(5, 32, 576, dtype=torch.bfloat16)),
+        "block_table must be \\[B=2": args(block_table=torch.zeros(3, 3, dtype=torch.int32)),
+        "block_table must be int32": args(block_table=torch.zeros(B, 3, dtype=torch.int64)),
+        "seq_lens must be int32": args(seq_lens=torch.ones(B, dtype=torch.int64)),
+        "seq_lens must be \\[B=2\\]": args(seq_lens=torch.ones(B + 1, dtype=torch.int32)),
+        "out must be bfloat16": args(out=torch.zeros(B, H, 512)),
+        "lse must be float32": args(lse=torch.zeros(B, H + 1)),
+        "q must be contiguous": args(
+            q=torch.zeros(H, B, 576, dtype=torch.bfloat16).transpose(0, 1)),
+        "seq_lens must start 16-byte aligned": args(
+            seq_lens=torch.ones(B + 1, dtype=torch.int32)[1:]),
+        "num_splits must be 1..1024": args(num_splits=0),
+    }
+    for msg, a in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            mc.check_inputs(**a)

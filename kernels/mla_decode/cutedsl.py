@@ -1231,6 +1231,52 @@ def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, cor
     return core, num_splits, head_groups
 
 
+def check_inputs(q, kv_cache, block_table, seq_lens, out=None, lse=None,
+                 num_splits: int | None = None) -> None:
+    """ValueError naming the first argument mla_decode_cutedsl cannot take (shapes, dtypes,
+    contiguity, 16-byte alignment, split count); runs before anything touches the GPU."""
+    import torch
+
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(f"mla_decode_cutedsl: {msg}")
+
+    need(q.dim() == 3 and q.shape[2] == D_QK,
+         f"q must be [B, H, {D_QK}], got shape {tuple(q.shape)}")
+    need(q.dtype == torch.bfloat16, f"q must be bfloat16, got {q.dtype}")
+    B, H, _ = q.shape
+    need(B >= 1 and 1 <= H <= 32, f"q: need B >= 1 and 1 <= H <= 32 heads, got B={B}, H={H}")
+    need(kv_cache.dim() == 3 and kv_cache.shape[2] == D_QK,
+         f"kv_cache must be [pages, page_tokens, {D_QK}], got shape {tuple(kv_cache.shape)}")
+    need(kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn),
+         f"kv_cache must be bfloat16 or float8_e4m3fn, got {kv_cache.dtype}")
+    need(kv_cache.shape[1] % TILE_N == 0,
+         f"kv_cache page_tokens must be a multiple of {TILE_N}, got {kv_cache.shape[1]}")
+    need(block_table.dim() == 2 and block_table.shape[0] == B,
+         f"block_table must be [B={B}, max_pages], got shape {tuple(block_table.shape)}")
+    need(block_table.dtype == torch.int32, f"block_table must be int32, got {block_table.dtype}")
+    need(tuple(seq_lens.shape) == (B,), f"seq_lens must be [B={B}], got {tuple(seq_lens.shape)}")
+    need(seq_lens.dtype == torch.int32, f"seq_lens must be int32, got {seq_lens.dtype}")
+    if out is not None:
+        need(tuple(out.shape) == (B, H, D_V) and out.dtype == torch.bfloat16,
+             f"out must be bfloat16 [{B}, {H}, {D_V}], got {out.dtype} {tuple(out.shape)}")
+    if lse is not None:
+        need(tuple(lse.shape) == (B, H) and lse.dtype == torch.float32,
+             f"lse must be float32 [{B}, {H}], got {lse.dtype} {tuple(lse.shape)}")
+    named = {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
+             "out": out, "lse": lse}
+    for name, t in named.items():
+        if t is not None:
+            need(t.is_contiguous(), f"{name} must be contiguous")
+    for name, t in named.items():              # the kernels take every pointer as 16-aligned
+        if t is not None:
+            need(t.data_ptr() % 16 == 0,
+                 f"{name} must start 16-byte aligned (got address {t.data_ptr():#x})")
+    if num_splits is not None:
+        need(1 <= int(num_splits) <= CombineKernel.max_splits,
+             f"num_splits must be 1..{CombineKernel.max_splits}, got {num_splits}")
+
+
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
@@ -1250,19 +1296,14 @@ def mla_decode_cutedsl(
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
 
-    B, H, D = q.shape
-    assert D == D_QK and q.dtype == torch.bfloat16 and q.is_contiguous()
-    assert kv_cache.is_contiguous() and kv_cache.shape[-1] == D_QK
-    assert block_table.dtype == torch.int32 and block_table.is_contiguous()
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    check_inputs(q, kv_cache, block_table, seq_lens, out, lse, num_splits)
+    B, H, _ = q.shape
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    assert fp8 or kv_cache.dtype == torch.bfloat16
     num_pages, page_tokens, _ = kv_cache.shape
     msl = int(max_seq_len) if max_seq_len is not None else None
     if num_splits is None and msl is None:
         msl = int(seq_lens.max().item())
     core, num_splits, groups = plan_call(B, H, msl, fp8, core, early_kv, num_splits, head_groups)
-    assert 1 <= num_splits <= CombineKernel.max_splits, num_splits
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device
     if out is None:
@@ -1278,8 +1319,6 @@ def mla_decode_cutedsl(
         lse_part = torch.empty(num_splits, B, H, dtype=torch.float32, device=dev)
     else:
         o_part, lse_part = lse, lse          # never touched with one split
-    for t in (q, kv_cache, out, o_part):
-        assert t.data_ptr() % 16 == 0, "16-byte aligned tensors required"
 
     # the main kernel sees B * groups requests of H / groups heads: contiguous views of q, the
     # outputs and the partials; the combine sees [B, H]
