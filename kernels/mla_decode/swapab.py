@@ -225,7 +225,8 @@ to bf16):
     vs 10.8 us (results/mla_decode_h200_fused_combine_ab.json). Diagnostics
     (results/mla_decode_h200_session8_experiments.json, from stdout): skipping the Q_lo half of
     S^T (wrong values) is ~11 % faster at H=32 B>=8, the upper bound of a joint Q_hi / Q_lo
-    wgmma; replacing the V cvt by a mov 2-5 %; qk_promote's 9 chunks cost no B=1 latency.
+    wgmma; replacing the V cvt by a mov 2-6 % in 5 of 6 cells (the sixth, a noisy one,
+    slower); qk_promote's 9 chunks cost no B=1 latency.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
