@@ -20,8 +20,8 @@ command and are recorded in the JSON ("env").
 the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma", and
 mla_decode_h200_<core>.json otherwise, with "_early_kv" appended under --early-kv. --early-kv
 lets the kernel read the cache before the PDL wait (the benchmark's previous kernel writes none
-of it). The swapab core's fp8 variant takes PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 from the
-environment (default 2).
+of it). The swapab core's consumer warpgroups are chosen per cell (cutedsl.call_consumers,
+recorded in each row); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides.
 """
 from __future__ import annotations
 

@@ -1086,7 +1086,8 @@ def call_consumers(core: str, kv_fp8: bool, max_seq_len: int | None,
         return None
     tiles = None
     if max_seq_len is not None:
-        tiles = -(-(-(-int(max_seq_len) // TILE_N)) // int(num_splits))
+        n_tiles = -(-int(max_seq_len) // TILE_N)
+        tiles = -(-n_tiles // int(num_splits))
     return choose_consumers(kv_fp8, tiles)
 
 
@@ -1122,11 +1123,19 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
-    core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)
     if dump_dir is not None:
+        k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
+    return main_variant(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)[1]
+
+
+def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
+                 early_kv: bool = False, head_groups: int = 1, consumers: int | None = None):
+    """(kernel object, compiled kernel) of compile_main's variant, from the process cache: the
+    launcher reads the object's properties (the partials' dtype) from the variant it runs."""
+    core = _core(core)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
@@ -1139,7 +1148,7 @@ def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
         _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
-    return _COMPILED[key][1]
+    return _COMPILED[key]
 
 
 # combine shapes (column chunks, groups): few splits read little per (request, head); many splits
@@ -1310,9 +1319,12 @@ def mla_decode_cutedsl(
         out = torch.empty(B, H, D_V, dtype=torch.bfloat16, device=dev)
     if lse is None:
         lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-    # split partials in the core's dtype (bf16 for swapab, fp32 for the others)
-    pdt = kernel_config(fp8, h_pad_for(H // groups), page_tokens, core, early_kv,
-                        groups).partial_dtype
+    # the main kernel sees B * groups requests of H / groups heads: contiguous views of q, the
+    # outputs and the partials; the combine sees [B, H]
+    Bv, Hv = B * groups, H // groups
+    kernel, main = main_variant(fp8, h_pad_for(Hv), page_tokens, core, early_kv, groups,
+                                call_consumers(core, fp8, msl, num_splits))
+    pdt = kernel.partial_dtype            # split partials: bf16 (swapab, fp8 cache) or fp32
     if num_splits > 1:
         o_part = torch.empty(num_splits, B, H, D_V, device=dev,
                              dtype=torch.bfloat16 if pdt is BFloat16 else torch.float32)
@@ -1320,12 +1332,6 @@ def mla_decode_cutedsl(
     else:
         o_part, lse_part = lse, lse          # never touched with one split
 
-    # the main kernel sees B * groups requests of H / groups heads: contiguous views of q, the
-    # outputs and the partials; the combine sees [B, H]
-    Bv, Hv = B * groups, H // groups
-    main = compile_main(fp8, h_pad_for(Hv), page_tokens, core, early_kv=early_kv,
-                        head_groups=groups,
-                        consumers=call_consumers(core, fp8, msl, num_splits))
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
     stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)

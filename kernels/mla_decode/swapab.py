@@ -195,7 +195,8 @@ runs.
 
 Status after session 7 (commit 8c1d4b6, vectorized fp8 epilogue, V prefetch, one-group combine,
 swapab for every call): all 244 MLA GPU tests pass on the H200. fp8, auto core = swapab, % of the
-copy floor where B x L >= 256K (results/mla_decode_h200_auto.json / _auto_early_kv.json):
+copy floor where B x L >= 256K (results/mla_decode_h200_auto.json / _auto_early_kv.json as
+committed in dbaf2e3; session 8 replaced them):
 H=12 76-95 % (B=8 L=32K 47.0 / 46.5 us), H=32 58-72 % (B=8 L=32K 61.4 / 60.4 us,
 B=64 L=32K 421.4 / 422.1). An H200 profile of H=32 B=64 L=32K (ncu, base clocks) puts ~32 % of
 the consumer warps' stall samples in S^T (waiting on the e4m3 wgmma chunks), ~25 % in the
