@@ -229,6 +229,25 @@ to bf16):
     wgmma; replacing the V cvt by a mov 2-6 % in 5 of 6 cells (the sixth, a noisy one,
     slower); qk_promote's 9 chunks cost no B=1 latency.
 
+Session 9 (2026-11-30), H200 A/B runs, none kept (branches stay unmerged; us, early_kv):
+  * bf16 staged epilogue (branch mla-bf16-staged, PDSERVE_MLA_SWAPAB_STAGED=1; its GPU tests
+    passed): H=32 B=1 L=8K 11.0-11.1 vs 10.8, B=1 L=1K 7.9 vs 6.6-6.7, 2-5 % faster at H=32 B=8
+    L >= 8K (results/mla_decode_h200_staged_ab.json).
+  * lazy running maxima (branch mla-lazy-max merged with main): no consistent gain; one of its
+    GPU tests failed the fp8 LSE tolerance (0.0116) (mla_decode_h200_lazy_max_ab_session9.json).
+  * S^T promotion every 3, 6 or 18 k-steps instead of 2 (branch mla-qk-chunk): no gain, so the
+    chunked S^T chain is not what holds H=32 back; 6 fails the LSE tolerance
+    (mla_decode_h200_qk_chunk_ab_session9.json).
+  * L2 prefetch of tiles ahead of the ring (branch mla-l2-prefetch, cp.async.bulk.prefetch.tensor
+    from one producer lane): correct, 25-45 % slower wherever splits are long, e.g. fp8 H=12 B=64
+    L=8K 80.7 -> 134.4 (mla_decode_h200_l2_prefetch_ab_session9.json).
+  * B=1 L=8K H=32: head_groups 1 / 2 x splits 32 / 64 / 128 x 1 / 2 consumers; the defaults are
+    the fastest (bf16 10.9-11.0, fp8 10.4-10.5; mla_decode_h200_b1_l8k_variants_session9.json).
+  * the same fp8 H=32 B=64 L=32K cell took 386.7, 418.8, 388.7, 412.8 us in consecutive runs of
+    one process (fresh cache allocation and page permutation each) with the SM clock at 1980 MHz
+    (h200_floors_and_variance_session9.json): single runs of the long fp8 H=32 cells are only
+    good to ~10 %.
+
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
 b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
