@@ -245,8 +245,10 @@ Session 9 (2026-11-30), H200 A/B runs, none kept (branches stay unmerged; us, ea
     the fastest (bf16 10.9-11.0, fp8 10.4-10.5; mla_decode_h200_b1_l8k_variants_session9.json).
   * the same fp8 H=32 B=64 L=32K cell took 386.7, 418.8, 388.7, 412.8 us in consecutive runs of
     one process (fresh cache allocation and page permutation each) with the SM clock at 1980 MHz
-    (h200_floors_and_variance_session9.json): single runs of the long fp8 H=32 cells are only
-    good to ~10 %.
+    (h200_floors_and_variance_session9.json); on another machine re-timing one cache and page
+    permutation was stable to ~2 % (438-445) while a new permutation or a new allocation moved
+    it to 440-486, and pages in order were no faster (mla_decode_h200_fp8_h32_placement_session9
+    .json): single runs of the long fp8 H=32 cells are only good to ~10 %.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
