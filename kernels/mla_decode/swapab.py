@@ -249,6 +249,11 @@ Session 9 (2026-11-30), H200 A/B runs, none kept (branches stay unmerged; us, ea
     permutation was stable to ~2 % (438-445) while a new permutation or a new allocation moved
     it to 440-486, and pages in order were no faster (mla_decode_h200_fp8_h32_placement_session9
     .json): single runs of the long fp8 H=32 cells are only good to ~10 %.
+  * ncu of the current fp8 H=32 B=64 L=32K kernel (mla_decode_h200_fp8_h32_profile_session9.json):
+    consumers' stall samples on wgmma waits 16 %, the V cvt 14 %, S^T's QGMMA issue 11 %, PRMT
+    7 %, SEL 5 % (V words zeroed past the end on every tile, not only the last); DRAM 52 % busy,
+    0.46 instructions issued per scheduler and cycle, 0.66 of 2.24 warps eligible: the
+    consumers' dependency chains and per-tile instruction count set the pace at H = 32.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
