@@ -239,10 +239,11 @@ Session 9 (2026-11-30), H200 A/B runs, none kept (branches stay unmerged; us, ea
     chunked S^T chain is not what holds H=32 back; 6 fails the LSE tolerance
     (mla_decode_h200_qk_chunk_ab_session9.json).
   * L2 prefetch of tiles ahead of the ring (branch mla-l2-prefetch, cp.async.bulk.prefetch.tensor
-    from one producer lane): correct, 25-45 % slower wherever splits are long, e.g. fp8 H=12 B=64
-    L=8K 80.7 -> 134.4 (mla_decode_h200_l2_prefetch_ab_session9.json).
-  * B=1 L=8K H=32: head_groups 1 / 2 x splits 32 / 64 / 128 x 1 / 2 consumers; the defaults are
-    the fastest (bf16 10.9-11.0, fp8 10.4-10.5; mla_decode_h200_b1_l8k_variants_session9.json).
+    from one producer lane): correct, 9-67 % slower in every cell but B=1 L=8K (unchanged),
+    e.g. fp8 H=12 B=64 L=8K 80.7 -> 134.4 (mla_decode_h200_l2_prefetch_ab_session9.json).
+  * B=1 L=8K H=32: head_groups 1 / 2 x splits 32 / 64 / 128 x 1 / 2 consumers; none clearly
+    faster than the defaults (bf16 10.9-11.0, fp8 10.4-10.5; bf16 head_groups 2: 10.7 / 11.2;
+    mla_decode_h200_b1_l8k_variants_session9.json).
   * the same fp8 H=32 B=64 L=32K cell took 386.7, 418.8, 388.7, 412.8 us in consecutive runs of
     one process (fresh cache allocation and page permutation each) with the SM clock at 1980 MHz
     (h200_floors_and_variance_session9.json); on another machine re-timing one cache and page
