@@ -163,7 +163,6 @@ def tma_produce_tiles(tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, sRing: cute
                   tKs[None, h.index], tma_bar_ptr=h.barrier)
 
 
-
 @cute.jit
 def copy_q_rows(copy_q: cute.TiledCopy, tQg: cute.Tensor, tQs: cute.Tensor, tQc: cute.Tensor,
                 heads: Int32):
@@ -184,6 +183,7 @@ def wgmma_c_mn_view(t):
     mn = cute.make_layout(((v[1], l.shape[1]), (v[0], v[2], l.shape[2])),
                           stride=((vs[1], l.stride[1]), (vs[0], vs[2], l.stride[2])))
     return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
 
 @dsl_user_op
 def _cvt_e4m3x2_f16x2(x, high: bool, *, loc=None, ip=None) -> Int32:
@@ -1050,8 +1050,9 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
         B x L >= 256K faster than mma and wgmma in every cell (H=32 B=64 L=32K 413.4 vs mma
         656.3 and wgmma 800.5 already in session 6); below, where wgmma was the choice until
         session 7, too, except two cells within 5 % (early_kv; both from
-        mla_decode_h200_session7_ab.json: swapab from its A/B runs, wgmma from "run4_first_auto"): H=12 B=8 L=8K 20.3 vs 32.1, B=64 L=1K 19.8 vs 34.9,
-        B=1 L=8K 11.2 vs 11.6; H=32 B=1 L=128K 42.0 vs 61.6, B=64 L=1K 25.2 vs 41.0, B=8 L=8K
+        mla_decode_h200_session7_ab.json: swapab from its A/B runs, wgmma from
+        "run4_first_auto"): H=12 B=8 L=8K 20.3 vs 32.1, B=64 L=1K 19.8 vs 34.9, B=1 L=8K 11.2
+        vs 11.6; H=32 B=1 L=128K 42.0 vs 61.6, B=64 L=1K 25.2 vs 41.0, B=8 L=8K
         28.5 vs 34.5; wgmma ahead: H=32 B=1 L=8K 13.0 vs 13.5, B=8 L=1K 12.1 vs 12.7.
     The arguments stay for callers that pass them (a rule by shape may come back)."""
     return "swapab"
@@ -1274,11 +1275,9 @@ def check_inputs(q, kv_cache, block_table, seq_lens, out=None, lse=None,
              f"lse must be float32 [{B}, {H}], got {lse.dtype} {tuple(lse.shape)}")
     named = {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens,
              "out": out, "lse": lse}
-    for name, t in named.items():
-        if t is not None:
-            need(t.is_contiguous(), f"{name} must be contiguous")
     for name, t in named.items():              # the kernels take every pointer as 16-aligned
         if t is not None:
+            need(t.is_contiguous(), f"{name} must be contiguous")
             need(t.data_ptr() % 16 == 0,
                  f"{name} must start 16-byte aligned (got address {t.data_ptr():#x})")
     if num_splits is not None:
