@@ -74,6 +74,14 @@ def test_variant_compiles_to_sm90a_cubin(cluster, layout, bounded, pdl, dump_roo
         assert "barrier.cluster" not in ptx
     assert ("griddepcontrol.wait" in ptx) == pdl
     assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+    if pdl:
+        # the working CTAs' wait (the last one; the first is the padding branch's): the state
+        # row passes [0, early_rows) and the two conv weight rows are loaded before it, the
+        # other row passes after it
+        pre, post = ptx.rsplit("griddepcontrol.wait", 1)
+        early = min(2, rows_per_thread)
+        assert pre.count("ld.global.v4") == 2 * early + 2
+        assert post.count("ld.global.v4") == 2 * (rows_per_thread - early)
 
 
 @pytest.mark.parametrize("heads", SUPPORTED_HEADS)
