@@ -20,9 +20,10 @@ Geometry (the split design of vLLM's Blackwell `KdaSplit`, written from scratch 
   C = 1 (large batches) needs no cluster at all; `choose_cluster` picks C from B*H.
   The state loads are issued first and every other global load right after, before any use, so
   one DRAM round trip (after the slot index) covers them all.
-  PDL variant (`pdl=True`): the slot index, state rows, conv rows and parameters are loaded before
-  `griddepcontrol.wait` (overlapping the previous kernel's tail); the projected rows after it;
-  dependents are triggered right after the wait. Contract: the immediately preceding kernel in the
+  PDL variant (`pdl=True`): the slot index, the first `early_rows` (2) row passes of the state,
+  conv rows and parameters are loaded before `griddepcontrol.wait` (overlapping the previous
+  kernel's tail); the projected rows and the other row passes after it; dependents are
+  triggered right after the wait. Contract: the immediately preceding kernel in the
   stream must not write the pools, slot_idx or the parameters.
 
 Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets output zeros.
@@ -63,6 +64,23 @@ Reference points for H = 12, B = 64 (48 MiB of state read + written per call), o
 rotating buffers): torch copy to another buffer 25.8 us, in-place read-modify-write of the same
 bytes 26.0 us, this kernel with PDL 29.5-29.9 us; the 28 us target asks for ~93 % of what a
 plain in-place pass over the bytes reaches (this kernel: ~88 %).
+Session 10 (2026-11-30, results/kda_decode_h200_session10_ab.json, us per call with PDL,
+interleaved rounds on one machine each):
+  * early_rows: with every row pass loaded before the wait, each resident CTA then waits on the
+    projected rows with its state already in registers, and DRAM idles. Loading 2 of the 8 row
+    passes early (C = 1; the rest right after the projected rows): H=12 B=64 29.0-29.3 vs
+    29.6-30.4, H=12 B=16 8.9-9.0 vs 9.3-9.8, H=32 B=64 72.1-72.2 vs 72.8-73.4, H=96 B=64 and
+    H=12 B=1 unchanged; 0 early is slower at B=1 (2.7 vs 2.2). Kept (default 2).
+  * the kernel without its math (state loaded and stored back unchanged): H=12 B=64 28.5-28.9,
+    H=96 B=64 209.6-210.1; torch in-place multiply of the same bytes 25.8-26.0 / 191.8-192.0.
+    So the math costs < 1 us; the rest of the gap is this load -> compute -> store structure
+    with 2 CTAs of 64 KB per SM. Contiguous slot ranges instead of random ones: ~0.5 us faster.
+  * a persistent C = 1 grid (2 CTAs per SM looping over (request, head) items, the next slot
+    index loaded during the current item; 16 B of spill at the 128-register cap): H=12 B=64
+    30.1-30.4, H=32 B=64 77.3-77.6, H=96 B=64 223.2-223.6: slower (branch kda-late-state).
+  Full grid with early_rows (results/kda_decode_h200_early_rows.json, copy 4185 GB/s there):
+  H=12 B=1 2.1 us, H=12 B=64 29.2 us (82 % of the floor at that bandwidth), H=96 B=64 210.8 us
+  (1.10x the floor), 121 GPU tests passed.
 """
 from __future__ import annotations
 
