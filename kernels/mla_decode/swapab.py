@@ -256,6 +256,19 @@ Session 9 (2026-11-30), H200 A/B runs, none kept (branches stay unmerged; us, ea
     0.46 instructions issued per scheduler and cycle, 0.66 of 2.24 warps eligible: the
     consumers' dependency chains and per-tile instruction count set the pace at H = 32.
 
+Session 10 (2026-11-30): the joint fp8 S^T (B = [Q_hi ; Q_lo] as one operand of 2 h_pad rows,
+18 e4m3 wgmma m64n(2 h_pad)k32 per tile instead of 36 m64n(h_pad)k32, so each K tile is read from
+smem once per k-step; results/mla_decode_h200_qk_joint_session10.json). Not merged:
+  * session 7's H=32 failure was its one-chunk-accumulator path (wrong at h_pad 16 too); with two
+    accumulators both h_pad are right, but at h_pad 32 they spill and H=32 ran 4-6 % slower.
+  * at h_pad 16 (branch mla-qk-joint16: no spill, 16 GPU tests passed), us off / on: H=12 B=1
+    L=8K 9.55 / 9.24, B=64 L=8K 82.7 / 78.9, B=64 L=32K 288.9 / 286.1, B=8 L=32K 45.3 / 45.5;
+    H=32 (2 head groups of 16) B=1 L=8K 10.40 / 10.14, B=8 L=8K 29.2 / 27.1.
+  * but with two consumers and 1024-tile splits (B=64 L=128K, H=12) it failed intermittently with
+    'unspecified launch failure' (about 1 in a few hundred calls, on 2 of 3 machines; not under
+    CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer in 300 calls each), while the default path ran
+    ~1600 calls of that shape without a failure. Cause not found.
+
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
 b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
