@@ -31,12 +31,14 @@ def dump_root(tmp_path_factory):
 _built: dict = {}
 
 
-def build(cluster, layout, bounded, dump_root, pdl=False):
-    key = (cluster, layout, bounded, pdl)
+def build(cluster, layout, bounded, dump_root, pdl=False, early_rows=None):
+    key = (cluster, layout, bounded, pdl, early_rows)
     if key not in _built:
-        d = dump_root / f"c{cluster}_{layout}_{'lb' if bounded else 'sp'}{'_pdl' if pdl else ''}"
+        d = dump_root / (f"c{cluster}_{layout}_{'lb' if bounded else 'sp'}{'_pdl' if pdl else ''}"
+                         f"{f'_e{early_rows}' if early_rows else ''}")
         d.mkdir()
-        _built[key] = cutedsl.compile_variant(cluster, layout, bounded, pdl, dump_dir=str(d))
+        _built[key] = cutedsl.compile_variant(cluster, layout, bounded, pdl, dump_dir=str(d),
+                                              early_rows=early_rows)
     return _built[key]
 
 
@@ -75,13 +77,31 @@ def test_variant_compiles_to_sm90a_cubin(cluster, layout, bounded, pdl, dump_roo
     assert ("griddepcontrol.wait" in ptx) == pdl
     assert ("griddepcontrol.launch_dependents" in ptx) == pdl
     if pdl:
-        # the working CTAs' wait (the last one; the first is the padding branch's): the state
-        # row passes [0, early_rows) and the two conv weight rows are loaded before it, the
-        # other row passes after it
+        # the working CTAs' wait (the last one; the first is the padding branch's): by default
+        # every state row pass and the two conv weight rows are loaded before it
         pre, post = ptx.rsplit("griddepcontrol.wait", 1)
-        early = min(2, rows_per_thread)
-        assert pre.count("ld.global.v4") == 2 * early + 2
-        assert post.count("ld.global.v4") == 2 * (rows_per_thread - early)
+        assert pre.count("ld.global.v4") == 2 * rows_per_thread + 2
+        assert post.count("ld.global.v4") == 0
+
+
+@pytest.mark.parametrize("cluster", cutedsl.CLUSTER_SIZES)
+def test_pdl_early_rows_split_the_state_loads_around_the_wait(cluster, tmp_path):
+    """early_rows = 2 (choose_early_rows for large grids): row passes [0, 2) and the conv
+    weights before the wait, the other row passes after it; no spill."""
+    fn = cutedsl.compile_variant(cluster, "SD", True, True, dump_dir=str(tmp_path), early_rows=2)
+    rows_per_thread = cutedsl.D // cluster // cutedsl.ROWS_PER_PASS
+    early = min(2, rows_per_thread)
+    pre, post = fn.artifacts.PTX.rsplit("griddepcontrol.wait", 1)
+    assert pre.count("ld.global.v4") == 2 * early + 2
+    assert post.count("ld.global.v4") == 2 * (rows_per_thread - early)
+    assert cutedsl.cubin_resources(fn.artifacts.CUBIN)["stack"] == 0, "register spills"
+
+
+def test_choose_early_rows_splits_only_grids_of_128_ctas_or_more():
+    assert cutedsl.choose_early_rows(64, 12, 1) == 2
+    assert cutedsl.choose_early_rows(4, 32, 1) == 2          # 128 CTAs
+    assert cutedsl.choose_early_rows(8, 12, 1) is None       # 96 CTAs: every load early
+    assert cutedsl.choose_early_rows(1, 12, 4) is None
 
 
 @pytest.mark.parametrize("heads", SUPPORTED_HEADS)
@@ -96,7 +116,8 @@ def test_every_supported_head_count_has_a_compiled_variant(heads, layout, bounde
             assert c in cutedsl.CLUSTER_SIZES
             # grid (C, H, B) and cluster (C, 1, 1) stay within the launch limits
             assert heads <= 65535 and batch <= 65535 and c <= 8
-            fn = build(c, layout, bounded, dump_root, pdl)
+            early = cutedsl.choose_early_rows(batch, heads, c) if pdl else None
+            fn = build(c, layout, bounded, dump_root, pdl, early)
             assert cubin_sm(fn.artifacts.CUBIN) == 90
 
 

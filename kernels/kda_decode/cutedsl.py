@@ -20,10 +20,10 @@ Geometry (the split design of vLLM's Blackwell `KdaSplit`, written from scratch 
   C = 1 (large batches) needs no cluster at all; `choose_cluster` picks C from B*H.
   The state loads are issued first and every other global load right after, before any use, so
   one DRAM round trip (after the slot index) covers them all.
-  PDL variant (`pdl=True`): the slot index, the first `early_rows` (2) row passes of the state,
-  conv rows and parameters are loaded before `griddepcontrol.wait` (overlapping the previous
-  kernel's tail); the projected rows and the other row passes after it; dependents are
-  triggered right after the wait. Contract: the immediately preceding kernel in the
+  PDL variant (`pdl=True`): the slot index, the state rows (for grids of >= 128 CTAs only the
+  first 2 row passes, `choose_early_rows`), conv rows and parameters are loaded before
+  `griddepcontrol.wait` (overlapping the previous kernel's tail); the projected rows and the
+  other row passes after it; dependents are triggered right after the wait. Contract: the immediately preceding kernel in the
   stream must not write the pools, slot_idx or the parameters.
 
 Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets output zeros.
@@ -70,7 +70,10 @@ interleaved rounds on one machine each):
     projected rows with its state already in registers, and DRAM idles. Loading 2 of the 8 row
     passes early (C = 1; the rest right after the projected rows): H=12 B=64 29.0-29.3 vs
     29.6-30.4, H=12 B=16 8.9-9.0 vs 9.3-9.8, H=32 B=64 72.1-72.2 vs 72.8-73.4, H=96 B=64 and
-    H=12 B=1 unchanged; 0 early is slower at B=1 (2.7 vs 2.2). Kept (default 2).
+    H=12 B=1 unchanged; 0 early is slower at B=1 (2.7 vs 2.2). The full grid with 2 early
+    everywhere (below) was 0.3-0.6 us slower than kda_decode_h200_min32calls.json below 128 CTAs
+    (H=12 B=2 3.2 vs 2.8, B=4 4.3 vs 3.6, H=32 B=1 3.4 vs 3.0; another machine, plain times
+    equal to within 3 %), so choose_early_rows keeps every load early there.
   * the kernel without its math (state loaded and stored back unchanged): H=12 B=64 28.5-28.9,
     H=96 B=64 209.6-210.1; torch in-place multiply of the same bytes 25.8-26.0 / 191.8-192.0.
     So the math costs < 1 us; the rest of the gap is this load -> compute -> store structure
@@ -78,9 +81,10 @@ interleaved rounds on one machine each):
   * a persistent C = 1 grid (2 CTAs per SM looping over (request, head) items, the next slot
     index loaded during the current item; 16 B of spill at the 128-register cap): H=12 B=64
     30.1-30.4, H=32 B=64 77.3-77.6, H=96 B=64 223.2-223.6: slower (branch kda-late-state).
-  Full grid with early_rows (results/kda_decode_h200_early_rows.json, copy 4185 GB/s there):
-  H=12 B=1 2.1 us, H=12 B=64 29.2 us (82 % of the floor at that bandwidth), H=96 B=64 210.8 us
-  (1.10x the floor), 121 GPU tests passed.
+  Full grid with 2 early in every cell (results/kda_decode_h200_early_rows.json, copy 4185 GB/s
+  there): H=12 B=64 29.2 us (82 % of the floor at that bandwidth), H=96 B=64 210.8 us (1.10x
+  the floor), 121 GPU tests passed. The launcher's split by grid size (choose_early_rows) was
+  set after that run from those two files and not timed as such on the H200.
 """
 from __future__ import annotations
 
@@ -111,7 +115,7 @@ class KdaDecodeSm90:
     """One compiled variant: cluster size, conv layout ("SD"/"DS"), decay form (bounded or not)."""
 
     def __init__(self, cluster: int, conv_layout: str, bounded: bool, pdl: bool = False,
-                 min_blocks: int = 0, early_rows: int = 2):
+                 min_blocks: int = 0, early_rows: int | None = None):
         if cluster not in CLUSTER_SIZES:
             raise ValueError(f"cluster must be one of {CLUSTER_SIZES}, got {cluster}")
         if conv_layout not in ("SD", "DS"):
@@ -123,10 +127,10 @@ class KdaDecodeSm90:
         self.bounded = bounded
         self.pdl = pdl
         self.min_blocks = min_blocks          # CTAs per SM the register allocation must allow
-        # PDL: state row passes loaded before griddepcontrol.wait, the rest right after the
-        # projected rows. Loading all of them early left DRAM idle after the wait, while every
-        # resident CTA waited on the projected rows (2 of 8: 1-4 % faster on the H200, see above)
-        self.early_rows = min(early_rows, self.RPT) if pdl else self.RPT
+        # PDL: state row passes loaded before griddepcontrol.wait (None: all), the rest right
+        # after the projected rows (choose_early_rows)
+        self.early_rows = (self.RPT if early_rows is None or not pdl
+                           else min(early_rows, self.RPT))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -427,7 +431,8 @@ def _fake_args():
 
 
 def compile_variant(cluster: int, conv_layout: str, bounded: bool, pdl: bool = False,
-                    dump_dir: str | None = None, min_blocks: int = 0, early_rows: int = 2):
+                    dump_dir: str | None = None, min_blocks: int = 0,
+                    early_rows: int | None = None):
     """Compile (or fetch from the process cache) one variant. Works without a GPU when
     CUTE_DSL_ARCH=sm_90a is set. With `dump_dir`, the PTX and cubin are written there and
     exposed as `.artifacts.PTX` / `.artifacts.CUBIN` (the cache is bypassed)."""
@@ -492,10 +497,21 @@ def choose_cluster(batch: int, heads: int, pdl: bool = False) -> int:
     return c
 
 
+def choose_early_rows(batch: int, heads: int, cluster: int) -> int | None:
+    """PDL: state row passes each CTA loads before griddepcontrol.wait (None = all). With all of
+    them early, a grid of many CTAs leaves DRAM idle after the wait while every resident CTA
+    waits on the projected rows; loading 2 early and the rest after the wait was 1-4 % faster
+    on the H200 from 128 CTAs up (H=12 B=16..64, H=32 B=4..64), and 0.3-0.6 us slower below
+    (H=12 B=2..8, H=32 B=1..2, H=96 B=1: their grids wait out one DRAM round trip either way,
+    so they keep every load early). results/kda_decode_h200_session10_ab.json,
+    kda_decode_h200_early_rows.json against kda_decode_h200_min32calls.json."""
+    return 2 if batch * heads * cluster >= 128 else None
+
+
 def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight, eps,
            lower_bound, state_pool, conv_pool, slot_idx, conv_layout, out,
            cluster: int | None = None, pdl: bool = False, min_blocks: int = 0,
-           early_rows: int = 2):
+           early_rows: int | None = None):
     """Run the kernel on the current torch stream (arguments already validated by the guard)."""
     import cuda.bindings.driver as cuda
     import torch
@@ -503,6 +519,8 @@ def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight
     B, HD = q.shape
     H = A_log.shape[0]
     C = cluster or choose_cluster(B, H, pdl)
+    if early_rows is None:
+        early_rows = choose_early_rows(B, H, C)
     fn = compile_variant(C, conv_layout, lower_bound is not None, pdl, min_blocks=min_blocks,
                          early_rows=early_rows)
     tensors = (q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight,
