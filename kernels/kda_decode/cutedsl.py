@@ -23,8 +23,9 @@ Geometry (the split design of vLLM's Blackwell `KdaSplit`, written from scratch 
   PDL variant (`pdl=True`): the slot index, the state rows (for grids of >= 128 CTAs only the
   first 2 row passes, `choose_early_rows`), conv rows and parameters are loaded before
   `griddepcontrol.wait` (overlapping the previous kernel's tail); the projected rows and the
-  other row passes after it; dependents are triggered right after the wait. Contract: the immediately preceding kernel in the
-  stream must not write the pools, slot_idx or the parameters.
+  other row passes after it; dependents are triggered right after the wait. Contract: the
+  immediately preceding kernel in the stream must not write the pools, slot_idx or the
+  parameters.
 
 Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets output zeros.
 H, B and the pool sizes are run-time values; the compiled variants are (C, conv layout, decay form,
@@ -500,11 +501,12 @@ def choose_cluster(batch: int, heads: int, pdl: bool = False) -> int:
 def choose_early_rows(batch: int, heads: int, cluster: int) -> int | None:
     """PDL: state row passes each CTA loads before griddepcontrol.wait (None = all). With all of
     them early, a grid of many CTAs leaves DRAM idle after the wait while every resident CTA
-    waits on the projected rows; loading 2 early and the rest after the wait was 1-4 % faster
-    on the H200 from 128 CTAs up (H=12 B=16..64, H=32 B=4..64), and 0.3-0.6 us slower below
-    (H=12 B=2..8, H=32 B=1..2, H=96 B=1: their grids wait out one DRAM round trip either way,
-    so they keep every load early). results/kda_decode_h200_session10_ab.json,
-    kda_decode_h200_early_rows.json against kda_decode_h200_min32calls.json."""
+    waits on the projected rows. On the H200, 2 early and the rest after the wait was 1-4 %
+    faster from 128 CTAs up (same-machine A/B at H=12 B=16 / 64, H=32 B=64; H=12 B=32 and
+    H=32 B=4..32 against the session-5 file) and 0.3-0.6 us slower below (H=12 B=2..8, H=32
+    B=1..2, H=96 B=1, against that file), so smaller grids keep every load early.
+    results/kda_decode_h200_session10_ab.json, kda_decode_h200_early_rows.json,
+    kda_decode_h200_min32calls.json."""
     return 2 if batch * heads * cluster >= 128 else None
 
 
