@@ -69,12 +69,14 @@ Session 10 (2026-11-30, results/kda_decode_h200_session10_ab.json, us per call w
 interleaved rounds on one machine each):
   * early_rows: with every row pass loaded before the wait, each resident CTA then waits on the
     projected rows with its state already in registers, and DRAM idles. Loading 2 of the 8 row
-    passes early (C = 1; the rest right after the projected rows): H=12 B=64 29.0-29.3 vs
-    29.6-30.4, H=12 B=16 8.9-9.0 vs 9.3-9.8, H=32 B=64 72.1-72.2 vs 72.8-73.4, H=96 B=64 and
-    H=12 B=1 unchanged; 0 early is slower at B=1 (2.7 vs 2.2). The full grid with 2 early
-    everywhere (below) was 0.3-0.6 us slower than kda_decode_h200_min32calls.json below 128 CTAs
-    (H=12 B=2 3.2 vs 2.8, B=4 4.3 vs 3.6, H=32 B=1 3.4 vs 3.0; another machine, plain times
-    equal to within 3 %), so choose_early_rows keeps every load early there.
+    passes early (C = 1; the rest right after the projected rows), over four runs on three
+    machines: H=12 B=64 29.0-29.6 vs 29.6-30.6, H=12 B=16 8.9-9.3 vs 9.3-9.8, H=32 B=64
+    72.1-72.2 vs 72.8-73.0 in one run and 73.2-73.3 vs 73.0-73.4 in the other, H=96 B=64
+    0-0.5 % slower (209.4-212.2 vs 209.2-211.2), H=12 B=1 (C = 4: 2 passes are all) unchanged;
+    0 early is slower at B=1 (2.7 vs 2.2). The full grid with 2 early everywhere (below) was
+    0.3-0.6 us slower than kda_decode_h200_min32calls.json below 128 CTAs (H=12 B=2 3.2 vs 2.8,
+    B=4 4.3 vs 3.6, H=32 B=1 3.4 vs 3.0; another machine, plain times equal to within 3 %), so
+    choose_early_rows keeps every load early there.
   * the kernel without its math (state loaded and stored back unchanged): H=12 B=64 28.5-28.9,
     H=96 B=64 209.6-210.1; torch in-place multiply of the same bytes 25.8-26.0 / 191.8-192.0.
     So the math costs < 1 us; the rest of the gap is this load -> compute -> store structure
@@ -502,9 +504,10 @@ def choose_early_rows(batch: int, heads: int, cluster: int) -> int | None:
     """PDL: state row passes each CTA loads before griddepcontrol.wait (None = all). With all of
     them early, a grid of many CTAs leaves DRAM idle after the wait while every resident CTA
     waits on the projected rows. On the H200, 2 early and the rest after the wait was 1-4 %
-    faster from 128 CTAs up (same-machine A/B at H=12 B=16 / 64, H=32 B=64; H=12 B=32 and
-    H=32 B=4..32 against the session-5 file) and 0.3-0.6 us slower below (H=12 B=2..8, H=32
-    B=1..2, H=96 B=1, against that file), so smaller grids keep every load early.
+    faster at H=12 B=16 / 64 (same-machine A/B), 0-1 % at H=32 B=64 and 0-0.5 % slower at
+    H=96 B=64; against the session-5 file it was faster at H=12 B=32 and H=32 B=4..8 and
+    0.3-0.6 us slower below 128 CTAs (H=12 B=2..8, H=32 B=1..2, H=96 B=1), so smaller grids
+    keep every load early.
     results/kda_decode_h200_session10_ab.json, kda_decode_h200_early_rows.json,
     kda_decode_h200_min32calls.json."""
     return 2 if batch * heads * cluster >= 128 else None
