@@ -264,10 +264,10 @@ smem once per k-step; results/mla_decode_h200_qk_joint_session10.json). Not merg
   * at h_pad 16 (branch mla-qk-joint16: no spill, 16 GPU tests passed), us off / on: H=12 B=1
     L=8K 9.55 / 9.24, B=64 L=8K 82.7 / 78.9, B=64 L=32K 288.9 / 286.1, B=8 L=32K 45.3 / 45.5;
     H=32 (2 head groups of 16) B=1 L=8K 10.40 / 10.14, B=8 L=8K 29.2 / 27.1.
-  * but with two consumers and 1024-tile splits (B=64 L=128K, H=12) it failed intermittently with
-    'unspecified launch failure' (about 1 in a few hundred calls, on 2 of 3 machines; not under
-    CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer in 300 calls each), while the default path ran
-    ~1600 calls of that shape without a failure. Cause not found.
+  * but with two consumers and 1024-tile splits (B=64 L=128K, H=12) it failed intermittently
+    with 'unspecified launch failure' (about 1 in a few hundred calls, on 2 of 3 machine starts;
+    not under CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer in 300 calls each), while the default
+    path ran ~1900 calls of that shape without a failure. Cause not found.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
