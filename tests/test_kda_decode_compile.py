@@ -97,6 +97,12 @@ def test_pdl_early_rows_split_the_state_loads_around_the_wait(cluster, tmp_path)
     assert cutedsl.cubin_resources(fn.artifacts.CUBIN)["stack"] == 0, "register spills"
 
 
+@pytest.mark.parametrize("bad", [-1, 9, 2.0, "2"])
+def test_bad_early_rows_is_refused_with_its_name(bad):
+    with pytest.raises(ValueError, match="early_rows"):
+        cutedsl.KdaDecodeSm90(1, "SD", True, pdl=True, early_rows=bad)
+
+
 def test_choose_early_rows_splits_only_grids_of_128_ctas_or_more():
     assert cutedsl.choose_early_rows(64, 12, 1) == 2
     assert cutedsl.choose_early_rows(4, 32, 1) == 2          # 128 CTAs

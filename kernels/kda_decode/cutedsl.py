@@ -123,6 +123,10 @@ class KdaDecodeSm90:
             raise ValueError(f"cluster must be one of {CLUSTER_SIZES}, got {cluster}")
         if conv_layout not in ("SD", "DS"):
             raise ValueError(f"conv_layout must be 'SD' or 'DS', got {conv_layout!r}")
+        if early_rows is not None and not (isinstance(early_rows, int)
+                                           and 0 <= early_rows <= D // ROWS_PER_PASS):
+            raise ValueError(f"early_rows must be None or 0..{D // ROWS_PER_PASS}, "
+                             f"got {early_rows!r}")
         self.C = cluster
         self.R = D // cluster                 # value rows per CTA
         self.RPT = self.R // ROWS_PER_PASS    # rows per thread
