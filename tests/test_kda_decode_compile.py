@@ -85,10 +85,10 @@ def test_variant_compiles_to_sm90a_cubin(cluster, layout, bounded, pdl, dump_roo
 
 
 @pytest.mark.parametrize("cluster", cutedsl.CLUSTER_SIZES)
-def test_pdl_early_rows_split_the_state_loads_around_the_wait(cluster, tmp_path):
+def test_pdl_early_rows_split_the_state_loads_around_the_wait(cluster, dump_root):
     """early_rows = 2 (choose_early_rows for large grids): row passes [0, 2) and the conv
     weights before the wait, the other row passes after it; no spill."""
-    fn = cutedsl.compile_variant(cluster, "SD", True, True, dump_dir=str(tmp_path), early_rows=2)
+    fn = build(cluster, "SD", True, dump_root, True, 2)
     rows_per_thread = cutedsl.D // cluster // cutedsl.ROWS_PER_PASS
     early = min(2, rows_per_thread)
     pre, post = fn.artifacts.PTX.rsplit("griddepcontrol.wait", 1)

@@ -1058,6 +1058,15 @@ def choose_core(heads: int, max_seq_len: int | None, batch: int = 1,
     return "swapab"
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The A/B switch `name` from the environment: "" when unset, else one of `choices`; any other
+    value is refused with a ValueError naming the variable."""
+    value = os.environ.get(name, "")
+    if value and value not in choices:
+        raise ValueError(f"{name}={value!r}: must be {' or '.join(choices)}")
+    return value
+
+
 def choose_consumers(kv_fp8: bool, tiles_per_split: int | None = None) -> int:
     """Consumer warpgroups of the swapab core: PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 if set (A/B
     runs); bf16 1; fp8 1 where each split has at most 2 tiles (there the pair's merge and second
@@ -1069,10 +1078,8 @@ def choose_consumers(kv_fp8: bool, tiles_per_split: int | None = None) -> int:
     B=64 L=1K (8) 19.9 / 19.1; H=32 B=1 L=32K 21.7 / 20.7, B=8 L=8K 33.4 / 30.2; over every
     cell with more than 2 tiles per split one consumer is 1-25 % slower (H=32 B=8 L=128K
     240.4 / 192.4)."""
-    env = os.environ.get("PDSERVE_MLA_SWAPAB_CONSUMERS", "")
+    env = env_choice("PDSERVE_MLA_SWAPAB_CONSUMERS", ("1", "2"))
     if env:
-        if env not in ("1", "2"):
-            raise ValueError(f"PDSERVE_MLA_SWAPAB_CONSUMERS={env!r}: must be 1 or 2")
         return int(env)
     if not kv_fp8:
         return 1

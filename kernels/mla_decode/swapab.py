@@ -288,7 +288,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, MlaDecodeKernel,
-                                                _cvt_e4m3x2_f16x2, _prmt, copy_q_rows,
+                                                _cvt_e4m3x2_f16x2, _prmt, copy_q_rows, env_choice,
                                                 query_tensors, result_tensors, split_tile_range,
                                                 tma_produce_tiles, wgmma_c_mn_view,
                                                 write_empty_split)
@@ -459,9 +459,7 @@ class MlaDecodeSwapAbKernel:
         # B=8 L=32K 57.4 / 62.3, B=64 L=8K 106.3 / 110.7, H=12 B=1 L=8K 9.3 / 10.0; bf16 H=12
         # B=1 L=1K 7.7 / 6.4, H=32 B=1 L=8K 11.2 / 10.8. PDSERVE_MLA_SWAPAB_PARTIAL=bf16|fp32
         # overrides (A/B runs)
-        env = os.environ.get("PDSERVE_MLA_SWAPAB_PARTIAL", "")
-        if env not in ("", "bf16", "fp32"):
-            raise ValueError(f"PDSERVE_MLA_SWAPAB_PARTIAL={env!r}: bf16 or fp32")
+        env = env_choice("PDSERVE_MLA_SWAPAB_PARTIAL", ("bf16", "fp32"))
         bf16_part = env == "bf16" if env else self.kv_fp8
         self.partial_dtype = BFloat16 if bf16_part else Float32
 
@@ -900,20 +898,25 @@ class MlaDecodeSwapAbKernel:
                 # bf16 partials: one bf16 copy of O^T serves the output and the partial
                 part = acc_O
                 if cutlass.const_expr(self.partial_dtype is BFloat16):
-                    part = cute.make_fragment_like(acc_O, BFloat16)
-                    part.store(acc_O.load().to(BFloat16))
+                    part = self._bf16_copy(acc_O)
                 if num_splits == 1:
                     gOt = cute.make_tensor(mO[b, None, None].iterator, t_layout)
                     rO = part
                     if cutlass.const_expr(self.partial_dtype is not BFloat16):
-                        rO = cute.make_fragment_like(acc_O, BFloat16)
-                        rO.store(acc_O.load().to(BFloat16))
+                        rO = self._bf16_copy(acc_O)
                     self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads_w, mLse[b, None],
                                       lse_c, tScS_mn, cwarp, lane)
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     self._store_o_lse(part, thr_pv.partition_C(gOpt), tOcO, heads_w,
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
+
+    @staticmethod
+    def _bf16_copy(acc):
+        """A bf16 register copy of the fp32 accumulator fragment `acc`."""
+        r = cute.make_fragment_like(acc, BFloat16)
+        r.store(acc.load().to(BFloat16))
+        return r
 
     @cute.jit
     def _store_o_lse(self, src, dst, tOcO, heads_w, lse_row, lse_c, tScS_mn, cwarp, lane):
