@@ -7,7 +7,8 @@ Backends: "reference" (torch, any device) and "cutedsl" (Hopper sm_90a, CuTe DSL
          seq_lens [B] int32, softmax_scale, kv_scale=None, **opts) -> (out [B, H, 512], lse [B, H])
 
 Query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and the sigmoid output gate are not
-part of this op: they stay in torch in the decode runtime for now.
+part of this op: they stay in torch in the decode runtime (`MLAAttention._fused_decode`, which the
+runtime's `mla_step_for(backend)` feeds; a refused call runs the model's torch path).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _name(dt: Any) -> str:
     return str(dt).replace("torch.", "")
 
 
-def problem_from_tensors(q, kv_cache, block_table=None, seq_lens=None) -> dict:
+def problem_from_tensors(q, kv_cache, block_table=None, seq_lens=None, *_op_args) -> dict:
+    """The guard's view of a call (takes the op's positional arguments; the rest are unused)."""
     import torch
     cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     return {

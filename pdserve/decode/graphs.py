@@ -8,7 +8,8 @@ n live rows are returned. The latent gather has a fixed width of `max_pages` pag
 serves sequences of up to `max_tokens` tokens (cached + the new one).
 
 Captured as constants: the pools' tensors (never reallocated), the fp8 latent scale, the
-`kda_step` op the registry resolved at capture time. TP > 1 is not captured yet.
+`kda_step` / `mla_step` ops the registry resolved at capture time (the MLA op's split count
+follows from the graph's fixed page width, so it needs no host sync). TP > 1 is not captured yet.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, model: HybridModel, pools: StatePools, max_tokens: int,
-                 buckets: tuple[int, ...] = BUCKETS, kda_step=None, warmup: int = 2):
+                 buckets: tuple[int, ...] = BUCKETS, kda_step=None, mla_step=None,
+                 warmup: int = 2):
         self.device = pools.latent.data.device
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the pools on a CUDA device, not {self.device}")
@@ -43,7 +45,8 @@ class DecodeGraphs:
                                       f"{model.tp.size}")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
-        self.model, self.pools, self.kda_step = model, pools, kda_step
+        self.model, self.pools = model, pools
+        self.kda_step, self.mla_step = kda_step, mla_step
         self.page_tokens = pools.latent.page_tokens
         self.max_pages = pools.latent.pages_for(max_tokens)
         self.max_tokens = self.max_pages * self.page_tokens
@@ -58,7 +61,8 @@ class DecodeGraphs:
         batch = DecodeBatch.of([], self.page_tokens, self.device, rows, self.max_pages)
 
         def step():
-            return self.model(ids, batch, self.pools, kda_step=self.kda_step)
+            return self.model(ids, batch, self.pools, kda_step=self.kda_step,
+                              mla_step=self.mla_step)
 
         # Warm up on a side stream (lazy library init must not happen under capture); every row
         # is padding, so the pools are not changed.

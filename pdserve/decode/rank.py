@@ -37,18 +37,31 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
     return [sample(row, p, pos) for row, p, pos in zip(logits, params, positions, strict=True)]
 
 
-def kda_step_for(backend: str):
-    """The fused KDA decode op for `backend`, or None for the model's own path. The registry's
-    guard decides per step; a refused step runs the reference path (logged once per reason)."""
+def fused_step_for(op: str, problem, backend: str):
+    """The fused decode op `op` of `backend`, or None for the model's own path. The registry's
+    guard decides per call on `problem(*args)`; a refused call returns None and the layer runs
+    its reference path (the registry logs each reason once)."""
     if backend == registry.REFERENCE:
         return None
-    from pdserve.kernels.kda_decode import OP, kda_decode_problem
 
-    def step(*args):
-        res = registry.resolve(OP, backend, kda_decode_problem(*args))
-        return None if res.backend == registry.REFERENCE else res.impl(*args)
+    def step(*args, **opts):
+        res = registry.resolve(op, backend, problem(*args))
+        return None if res.backend == registry.REFERENCE else res.impl(*args, **opts)
 
     return step
+
+
+def kda_step_for(backend: str):
+    """The fused KDA decode step (`pdserve.kernels.kda_decode`) for `backend`, or None."""
+    from pdserve.kernels.kda_decode import OP, kda_decode_problem
+    return fused_step_for(OP, kda_decode_problem, backend)
+
+
+def mla_step_for(backend: str):
+    """The MLA decode attention over the paged cache (`pdserve.kernels.mla_decode`) for
+    `backend`, or None."""
+    from pdserve.kernels.mla_decode import OP, problem_from_tensors
+    return fused_step_for(OP, problem_from_tensors, backend)
 
 
 class DecodeRank:
@@ -67,9 +80,10 @@ class DecodeRank:
         self.layout = layout or StateLayout(latent_dtype="float32", conv_dtype="float32")
         self.pools = StatePools(RankShapes.of(config, tp.size), self.layout, num_pages, num_slots,
                                 device=device, conv_staging=True)
-        self.kda_step = kda_step_for(backend)
+        self.kda_step, self.mla_step = kda_step_for(backend), mla_step_for(backend)
         self.graphs = (DecodeGraphs(self.model, self.pools, graph_max_tokens,
-                                    kda_step=self.kda_step) if cuda_graphs else None)
+                                    kda_step=self.kda_step, mla_step=self.mla_step)
+                       if cuda_graphs else None)
         self._eager_reasons: set[str] = set()
         self.dest = DestRank(RankAgent(instance, rank, generation,
                                        RegionTable.of_pools(self.pools), device,
@@ -132,7 +146,7 @@ class DecodeRank:
             batch = ForwardBatch.of(tables, [1] * len(tables))
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows(),
-                                kda_step=self.kda_step)
+                                kda_step=self.kda_step, mla_step=self.mla_step)
         for t in tables:
             t.num_tokens += 1
         return logits.cpu() if self.rank == 0 else None

@@ -74,13 +74,19 @@ class MLAAttention(nn.Module):
         return w[:, :self.nope], w[:, self.nope:]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | DecodeBatch, pool: LatentPool,
-                layer: int) -> torch.Tensor:
+                layer: int, mla_step=None) -> torch.Tensor:
+        """`mla_step`: an optional fused decode attention over the paged cache (the decode
+        runtime's backend dispatch, signature of `pdserve.kernels.mla_decode`); it returns None
+        to decline a step, which then runs the torch path."""
         T = x.shape[0]
         q = self.query(x).float()
         new_rows = self.latent(x)
         if isinstance(batch, DecodeBatch):
-            rows = _decode_rows(pool, layer, batch, new_rows)
-            out = self._absorbed(q[:, None], rows, batch.context)[:, 0]
+            _store_decode_rows(pool, layer, batch, new_rows)
+            out = None if mla_step is None else self._fused_decode(q, pool, layer, batch, mla_step)
+            if out is None:
+                out = self._absorbed(q[:, None], _gather_rows(pool, layer, batch),
+                                     batch.context)[:, 0]
         else:
             out = torch.empty(T, self.heads, self.v_dim, dtype=torch.float32, device=x.device)
             for seq in batch.seqs:
@@ -104,14 +110,35 @@ class MLAAttention(nn.Module):
         scores = scores.masked_fill(~visible[:, None, :].to(scores.device), float("-inf"))
         return torch.einsum("thl,lhd->thd", torch.softmax(scores, dim=-1), v)
 
+    def _absorb(self, q: torch.Tensor) -> torch.Tensor:
+        """q [..., H, nope+rope] -> [..., H, R+P]: q_nope pulled into the latent space (W_UK)."""
+        w_uk = self.w_uk_uv()[0]
+        return torch.cat([torch.einsum("...hn,hnr->...hr", q[..., :self.nope], w_uk),
+                          q[..., self.nope:]], dim=-1)
+
+    def _fused_decode(self, q: torch.Tensor, pool: LatentPool, layer: int, batch: DecodeBatch,
+                      mla_step) -> torch.Tensor | None:
+        """The decode attention by `mla_step` over the paged cache (the new rows already stored):
+        bf16 absorbed queries in, the latent output back through W_UV; None if it declines.
+        Padding rows attend to their page-0 row (seq_len 1); their output is discarded. The
+        split count follows from the batch's page width, so a captured step needs no host sync."""
+        data = pool.data[layer]
+        fp8 = data.dtype == torch.float8_e4m3fn
+        res = mla_step(self._absorb(q).to(torch.bfloat16), data, batch.pages.to(torch.int32),
+                       (batch.context + 1).to(torch.int32), self.scale,
+                       pool.scale if fp8 else None,
+                       max_seq_len=batch.pages.shape[1] * pool.page_tokens)
+        if res is None:
+            return None
+        return torch.einsum("bhr,hvr->bhv", res[0].float(), self.w_uk_uv()[1])
+
     def _absorbed(self, q: torch.Tensor, rows: torch.Tensor,
                   context: int | torch.Tensor) -> torch.Tensor:
         """q [..., T, H, nope+rope] of the tokens at positions context.. over their sequence's
         rows [..., L, R+P] (row i is token i; later rows are masked out). Leading dims batch
         sequences, with `context` then a tensor of those dims."""
-        w_uk, w_uv = self.w_uk_uv()
-        q_abs = torch.cat([torch.einsum("...thn,hnr->...thr", q[..., :self.nope], w_uk),
-                           q[..., self.nope:]], dim=-1)
+        w_uv = self.w_uk_uv()[1]
+        q_abs = self._absorb(q)
         T, L = q.shape[-3], rows.shape[-2]
         pos = torch.as_tensor(context, device=q.device)[..., None, None] + torch.arange(
             T, device=q.device)[:, None]
@@ -120,16 +147,20 @@ class MLAAttention(nn.Module):
         return torch.einsum("...thr,hvr->...thv", lat, w_uv)
 
 
-def _decode_rows(pool: LatentPool, layer: int, batch: DecodeBatch,
-                 new_rows: torch.Tensor) -> torch.Tensor:
-    """Store each live row's new latent at its position and gather every row's pages:
-    [B, max_pages * page_tokens, R+P] fp32 (dequantized), by tensor indices only. Padding rows
+def _store_decode_rows(pool: LatentPool, layer: int, batch: DecodeBatch,
+                       new_rows: torch.Tensor) -> None:
+    """Store each live row's new latent at its position, by tensor indices only. Padding rows
     store back what their page-0 slot already holds, so the pool is left bit-identical there."""
     data, pt = pool.data[layer], pool.page_tokens
-    fp8 = data.dtype == torch.float8_e4m3fn
     page = batch.pages.gather(1, (batch.context // pt)[:, None])[:, 0]
     row = batch.context % pt
-    new = (new_rows.float() / pool.scale if fp8 else new_rows).to(data.dtype)
+    new = (new_rows.float() / pool.scale if data.dtype == torch.float8_e4m3fn
+           else new_rows).to(data.dtype)
     data.index_put_((page, row), torch.where(batch.live[:, None], new, data[page, row]))
+
+
+def _gather_rows(pool: LatentPool, layer: int, batch: DecodeBatch) -> torch.Tensor:
+    """Every row's pages as [B, max_pages * page_tokens, R+P] fp32 (dequantized)."""
+    data = pool.data[layer]
     rows = data[batch.pages].flatten(1, 2).to(torch.float32)
-    return rows * pool.scale if fp8 else rows
+    return rows * pool.scale if data.dtype == torch.float8_e4m3fn else rows

@@ -35,12 +35,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x, batch, pools: StatePools, cache_index: int, kda_step=None) -> torch.Tensor:
+    def forward(self, x, batch, pools: StatePools, cache_index: int, kda_step=None,
+                mla_step=None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.is_kda:
             x = x + self.self_attn(h, batch, pools.slots, cache_index, kda_step)
         else:
-            x = x + self.self_attn(h, batch, pools.latent, cache_index)
+            x = x + self.self_attn(h, batch, pools.latent, cache_index, mla_step)
         h = self.post_attention_layernorm(x)
         if hasattr(self, "block_sparse_moe"):
             # GPU decode steps run the static-shape (dense) MoE so an eager step equals its
@@ -103,14 +104,14 @@ class HybridModel(nn.Module):
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch | DecodeBatch,
                 pools: StatePools, logit_rows: list[int] | None = None,
-                kda_step=None) -> torch.Tensor:
+                kda_step=None, mla_step=None) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(logit_rows), vocab] (default: every row).
 
         Cached state is read from and written to `pools` for every sequence of `batch`; the
         caller advances each `table.num_tokens` afterwards. A decode-only `ForwardBatch` runs as
         a `DecodeBatch` (static shapes, no host syncs: the step CUDA graphs capture). `kda_step`
-        is an optional fused KDA decode op used by every KDA layer on decode steps (see
-        KDAAttention)."""
+        / `mla_step` are optional fused decode ops used by every KDA / MLA layer on decode steps
+        (see KDAAttention, MLAAttention)."""
         if token_ids.shape[0] != batch.num_rows:
             raise ValueError(f"{token_ids.shape[0]} token ids for a batch of {batch.num_rows} rows")
         if isinstance(batch, ForwardBatch) and batch.is_decode:
@@ -118,7 +119,7 @@ class HybridModel(nn.Module):
                                    token_ids.device)
         x = self.model.embed_tokens(token_ids)
         for layer, idx in zip(self.model.layers, self.cache_index):
-            x = layer(x, batch, pools, idx, kda_step)
+            x = layer(x, batch, pools, idx, kda_step, mla_step)
         if logit_rows is not None:
             x = x[logit_rows]
         x = self.model.norm(x)
