@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import traceback
@@ -156,19 +157,30 @@ class Cell:
         return [self.slot_sets[i % self.n_sets] for i in range(self.n_calls)]
 
 
-def ours_calls(cell, cluster=None, pdl=False, min_blocks=0):
+def ours_calls(cell, cluster=None, pdl=False, min_blocks=0, early_rows=None):
     from pdserve.kernels.kda_decode import cutedsl
     return [lambda s=s: cutedsl.launch(**cell.args(s), cluster=cluster, pdl=pdl,
-                                       min_blocks=min_blocks)
+                                       min_blocks=min_blocks, early_rows=early_rows)
             for s in cell.sets()]
 
 
 def parse_variant(name):
-    """'c1', 'c2', 'c4', 'c8' -> launch keywords (a fixed cluster size)."""
+    """'c<C>' (a fixed cluster size C), 'e<R>' (R state row passes loaded before the PDL wait,
+    `early_rows`; PDL only) or both, 'c<C>e<R>' -> launch keywords."""
     from pdserve.kernels.kda_decode import cutedsl
-    if name[:1] == "c" and name[1:].isdigit() and int(name[1:]) in cutedsl.CLUSTER_SIZES:
-        return {"cluster": int(name[1:])}
-    raise ValueError(f"variant {name!r}: expected c<C>, C in {cutedsl.CLUSTER_SIZES}")
+    m = re.fullmatch(r"(?:c(\d+))?(?:e(\d+))?", name)
+    kw = {}
+    if m and name:
+        if m.group(1) is not None:
+            kw["cluster"] = int(m.group(1))
+        if m.group(2) is not None:
+            kw["early_rows"] = int(m.group(2))
+    max_rows = cutedsl.D // cutedsl.ROWS_PER_PASS
+    if (not kw or kw.get("cluster", 1) not in cutedsl.CLUSTER_SIZES
+            or not 0 <= kw.get("early_rows", 0) <= max_rows):
+        raise ValueError(f"variant {name!r}: expected c<C>, e<R> or c<C>e<R> with C in "
+                         f"{cutedsl.CLUSTER_SIZES} and R in 0..{max_rows}")
+    return kw
 
 
 def torch_conv(cell, slots):
@@ -240,7 +252,8 @@ def main(argv=None):
                     help="also time a register cap for 3 CTAs/SM (C = 1, 2; B*H >= 192)")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="also time these kernel variants plain and with PDL and tabulate them "
-                         "beside the default, e.g. c1 c2 c4 c8 (see parse_variant)")
+                         "beside the default, e.g. c1 c2 c4 c8, e0 e2 e8 (state row passes "
+                         "before the PDL wait), c1e4 (see parse_variant)")
     ap.add_argument("--no-stock", action="store_true", help="skip fla-core / torch stock timings")
     args = ap.parse_args(argv)
     variants = {name: parse_variant(name) for name in args.variants}   # fail before any timing
