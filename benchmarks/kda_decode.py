@@ -170,16 +170,15 @@ def parse_variant(name):
     from pdserve.kernels.kda_decode import cutedsl
     m = re.fullmatch(r"(?:c(\d+))?(?:e(\d+))?", name)
     kw = {}
-    if m and name:
+    if m:
         if m.group(1) is not None:
             kw["cluster"] = int(m.group(1))
         if m.group(2) is not None:
             kw["early_rows"] = int(m.group(2))
-    max_rows = cutedsl.D // cutedsl.ROWS_PER_PASS
     if (not kw or kw.get("cluster", 1) not in cutedsl.CLUSTER_SIZES
-            or not 0 <= kw.get("early_rows", 0) <= max_rows):
+            or not 0 <= kw.get("early_rows", 0) <= cutedsl.MAX_EARLY_ROWS):
         raise ValueError(f"variant {name!r}: expected c<C>, e<R> or c<C>e<R> with C in "
-                         f"{cutedsl.CLUSTER_SIZES} and R in 0..{max_rows}")
+                         f"{cutedsl.CLUSTER_SIZES} and R in 0..{cutedsl.MAX_EARLY_ROWS}")
     return kw
 
 

@@ -106,6 +106,7 @@ THREADS = 256
 LANES = 16       # lanes per state row
 ROWS_PER_PASS = THREADS // LANES   # 16
 CLUSTER_SIZES = (1, 2, 4, 8)
+MAX_EARLY_ROWS = D // ROWS_PER_PASS   # early_rows: row passes of a C = 1 CTA
 Q_SCALE = D ** -0.5
 L2_EPS = 1e-6
 
@@ -124,9 +125,8 @@ class KdaDecodeSm90:
         if conv_layout not in ("SD", "DS"):
             raise ValueError(f"conv_layout must be 'SD' or 'DS', got {conv_layout!r}")
         if early_rows is not None and not (isinstance(early_rows, int)
-                                           and 0 <= early_rows <= D // ROWS_PER_PASS):
-            raise ValueError(f"early_rows must be None or 0..{D // ROWS_PER_PASS}, "
-                             f"got {early_rows!r}")
+                                           and 0 <= early_rows <= MAX_EARLY_ROWS):
+            raise ValueError(f"early_rows must be None or 0..{MAX_EARLY_ROWS}, got {early_rows!r}")
         self.C = cluster
         self.R = D // cluster                 # value rows per CTA
         self.RPT = self.R // ROWS_PER_PASS    # rows per thread

@@ -110,9 +110,8 @@ class MLAAttention(nn.Module):
         scores = scores.masked_fill(~visible[:, None, :].to(scores.device), float("-inf"))
         return torch.einsum("thl,lhd->thd", torch.softmax(scores, dim=-1), v)
 
-    def _absorb(self, q: torch.Tensor) -> torch.Tensor:
+    def _absorb(self, q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """q [..., H, nope+rope] -> [..., H, R+P]: q_nope pulled into the latent space (W_UK)."""
-        w_uk = self.w_uk_uv()[0]
         return torch.cat([torch.einsum("...hn,hnr->...hr", q[..., :self.nope], w_uk),
                           q[..., self.nope:]], dim=-1)
 
@@ -122,23 +121,24 @@ class MLAAttention(nn.Module):
         bf16 absorbed queries in, the latent output back through W_UV; None if it declines.
         Padding rows attend to their page-0 row (seq_len 1); their output is discarded. The
         split count follows from the batch's page width, so a captured step needs no host sync."""
+        w_uk, w_uv = self.w_uk_uv()
         data = pool.data[layer]
         fp8 = data.dtype == torch.float8_e4m3fn
-        res = mla_step(self._absorb(q).to(torch.bfloat16), data, batch.pages.to(torch.int32),
+        res = mla_step(self._absorb(q, w_uk).to(torch.bfloat16), data, batch.pages.to(torch.int32),
                        (batch.context + 1).to(torch.int32), self.scale,
                        pool.scale if fp8 else None,
                        max_seq_len=batch.pages.shape[1] * pool.page_tokens)
         if res is None:
             return None
-        return torch.einsum("bhr,hvr->bhv", res[0].float(), self.w_uk_uv()[1])
+        return torch.einsum("bhr,hvr->bhv", res[0].float(), w_uv)
 
     def _absorbed(self, q: torch.Tensor, rows: torch.Tensor,
                   context: int | torch.Tensor) -> torch.Tensor:
         """q [..., T, H, nope+rope] of the tokens at positions context.. over their sequence's
         rows [..., L, R+P] (row i is token i; later rows are masked out). Leading dims batch
         sequences, with `context` then a tensor of those dims."""
-        w_uv = self.w_uk_uv()[1]
-        q_abs = self._absorb(q)
+        w_uk, w_uv = self.w_uk_uv()
+        q_abs = self._absorb(q, w_uk)
         T, L = q.shape[-3], rows.shape[-2]
         pos = torch.as_tensor(context, device=q.device)[..., None, None] + torch.arange(
             T, device=q.device)[:, None]
