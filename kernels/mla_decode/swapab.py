@@ -84,7 +84,8 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     pairs the bytes of the two tokens of a k pair, one cvt per pair; groups of `pv_group` M blocks
     per commit, `pv_in_flight` groups in flight (see "fp8 PV pipelining"). Tokens past the end
     are zeroed in registers (select on the loaded words: the cache bytes there may be NaN
-    encodings, and p = 0 * NaN would be NaN);
+    encodings, and p = 0 * NaN would be NaN), on the last tile only: PV is written out twice,
+    with and without the selects (64 SEL per tile and thread fewer on every other tile);
     their scores are masked to -inf as on the bf16 path. K rows past the end only reach their own
     S^T rows, which the mask overwrites.
   * per tile and thread: 36 e4m3 wgmma (S^T) + 32 fp16 wgmma (O^T), 16 ld.shared.v4 (V), 128
@@ -851,8 +852,17 @@ class MlaDecodeSwapAbKernel:
                     if cutlass.const_expr(self.kv_fp8):
                         # A = V^T gathered and widened in registers; the stage is released
                         # after its last fragment load, before the last wgmma group retires
-                        self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
-                                     seqlen - t * TILE_N, h, vw_first)
+                        # the V words are zeroed past the end only on the last tile, the only
+                        # one that has such tokens (a select per word and k-step otherwise)
+                        # (set here, not in the branches: the traced atom must not change
+                        # inside one)
+                        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        if last:
+                            self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
+                                         seqlen - t * TILE_N, h, vw_first, True)
+                        else:
+                            self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
+                                         TILE_N, h, vw_first, False)
                     else:
                         sV = cute.make_tensor(sK[None, None, kstage].iterator, sV_layout.outer)
                         tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sV))    # (MMA, 8, 4)
@@ -1138,7 +1148,7 @@ class MlaDecodeSwapAbKernel:
                 for j in range(4)]
 
     def _fp8_pv(self, pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff, n_valid, h,
-                vw_first):
+                vw_first, masked):
         """O^T += V^T P^T with A = V^T gathered and widened in registers: per 16-token k-step
         four 16-byte loads (tokens past the end -> 0: their bytes may be NaN encodings and
         p = 0 there), prmt pairs the bytes of tokens (k, k + 1) and one cvt widens each pair;
@@ -1147,17 +1157,20 @@ class MlaDecodeSwapAbKernel:
         (vw_first, loaded before the softmax) and k-step ks + 1's loads are issued before k-step
         ks's wgmmas, so no load latency sits between two wgmma groups; without, each k-step's
         words are loaded after the previous k-step's wgmmas were issued.
-        The stage is released once every load of the tile has been consumed."""
-        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        The stage is released once every load of the tile has been consumed. The caller sets
+        pv_mma to accumulate."""
         lim = [n_valid - v_tok[jp] for jp in range(2)]
         vbase = [v_addr[jp] + soff for jp in range(2)]
         raw = vw_first if self.pv_prefetch else self._fp8_v_words(vbase, 0)
         for ks in range(TILE_N // 16):
-            vw = []
-            for j in range(4):
-                jp, jh = j % 2, j // 2
-                ok = lim[jp] > 16 * ks + 8 * jh       # token v_tok[jp] + 16 ks + 8 jh < n_valid
-                vw.append([Int32(cutlass.select_(ok, raw[j][i], Int32(0))) for i in range(4)])
+            vw = raw
+            if masked:
+                vw = []
+                for j in range(4):
+                    jp, jh = j % 2, j // 2
+                    ok = lim[jp] > 16 * ks + 8 * jh   # token v_tok[jp] + 16 ks + 8 jh < n_valid
+                    vw.append([Int32(cutlass.select_(ok, raw[j][i], Int32(0)))
+                               for i in range(4)])
             if ks + 1 < TILE_N // 16 and self.pv_prefetch:
                 raw = self._fp8_v_words(vbase, ks + 1)
             gb = self.pv_group
