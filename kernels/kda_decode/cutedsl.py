@@ -88,6 +88,17 @@ interleaved rounds on one machine each):
   there): H=12 B=64 29.2 us (82 % of the floor at that bandwidth), H=96 B=64 210.8 us (1.10x
   the floor), 121 GPU tests passed. The launcher's split by grid size (choose_early_rows) was
   set after that run from those two files and not timed as such on the H200.
+Session 12 (2026-11-30): the launcher's rule as one grid (results/
+kda_decode_h200_launcher_session12.json, copy 4141 GB/s; 121 GPU tests passed on that machine):
+H=12 B=1 2.1 us PDL, H=12 B=64 29.4 us (83 % of the floor), H=96 B=64 211.6 us (1.09x). The
+early_rows A/B at H=12 B=64 on the same machine: e1 29.4, e2 29.4, e4 29.6, e8 29.8 us
+(_early_rows_ab_session12.json). ncu, one call at H=12 B=64 (_ncu_session12.json): 27.4 us, 53.2
+MB read + 26.0 MB written, 23 % of warp slots active, against 25.0 us and 50.3 + 24.1 MB for a
+torch in-place pass over the same state. A persistent grid with register rotation (the next
+(request, head)'s state pass i loaded right after the current pass i is stored; branch
+kda-rotate, 16 B of spill at the 128-register cap, all 121 GPU tests passed) was slower: H=12
+B=64 31.6 us with 264 CTAs, 40.6 with 132 (one per SM), H=96 B=64 232.1
+(_rotate_ab_session12.json).
 """
 from __future__ import annotations
 

@@ -25,6 +25,12 @@ LSE = -inf only, and the combine skips it.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
+Status on the H200, session 12 (commit 713ceee; benchmarks/results/
+mla_decode_h200_auto_early_kv_session12.json, early_kv; 246 MLA GPU tests passed on the machine):
+fraction of the copy floor where B x L >= 256K: bf16 0.94-1.05 (H = 12), 0.88-1.03 (H = 32);
+fp8 0.77-0.95 (H = 12), 0.64-0.77 (H = 32). B = 1, L = 8K: bf16 8.2 / 10.7 us, fp8 9.1 / 10.3
+(H = 12 / 32). The session-8 figures below are the earlier record.
+
 Status on the H200 (2026-11-30, session 8, commit 8d739a4; CUDA-graph medians, >= 16 calls
 per graph; benchmarks/results/mla_decode_h200_auto.json and _auto_early_kv.json):
   * `choose_core` takes the swapab core (swapab.py) for every call, bf16 and fp8.

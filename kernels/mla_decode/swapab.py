@@ -270,6 +270,16 @@ smem once per k-step; results/mla_decode_h200_qk_joint_session10.json). Not merg
     not under CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer in 300 calls each), while the default
     path ran ~1900 calls of that shape without a failure. Cause not found.
 
+Session 12 (2026-11-30), H200, fp8 H=32 early_kv, interleaved A/B runs on one machine:
+  * fp8 PV zeroes the V words past the end only on the last tile (PV written twice behind a
+    run-time `if last`; the other tiles carry no SEL): merged after its 133 fp8 GPU tests
+    passed. Faster in 6 of 9 cells (B=64 L=8K 105.5-109.2 vs 118.9-119.3 us, B=64 L=128K
+    1599-1611 vs 1671-1672), 1.3-1.5 % slower at B=1 L=32K
+    (results/mla_decode_h200_vmask_ab_session12.json).
+  * S^T with A = K in registers (one ldmatrix per k-step feeding both e4m3 terms; branch
+    mla-qk-rs): its 24 GPU tests passed, not faster (B=1 L=8K 11.0 / 10.9 off vs 11.5 / 11.7 on)
+    (results/mla_decode_h200_qk_rs_ab_session12.json). Not merged.
+
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
 b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
