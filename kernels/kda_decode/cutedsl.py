@@ -31,74 +31,11 @@ Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets
 H, B and the pool sizes are run-time values; the compiled variants are (C, conv layout, decay form,
 PDL); each compiles in well under a second, also on a CPU-only machine (CUTE_DSL_ARCH=sm_90a).
 
-Status on the H200: two ways to raise occupancy were tried there on 2026-11-29 and were slower
-than the default (`choose_cluster`, state in registers) everywhere: the state staged through
-shared memory by cp.async ("smem", 3 CTAs/SM at C = 1 instead of 2; removed again) and register
-caps for m CTAs per SM (`min_blocks`, off by default; "m3" spills at C = 1). us per call, plain /
-PDL, CUDA-graph medians (raw sweep: benchmarks/results/kda_sweep_h200.json):
-    H   B  floor  default      c1           c1-smem      c1-m3        c2-m3        c2-smem-m4
-   12   1   0.39    3.6/2.1      4.8/2.8      5.3/3.1      6.6/3.5      4.4/2.5      4.7/2.7
-   12  64  24.64   30.9/30.0    31.0/30.1    32.2/31.0    43.6/41.7    33.2/32.2    34.4/32.5
-   96   1   3.08    7.1/5.0      7.1/5.0      7.3/5.5      8.2/6.4      7.1/5.7      7.5/5.8
-   96  64 197.15  212.3/209.9  211.5/209.8  213.5/213.3  312.6/309.2  229.1/234.7  231.5/229.4
-Each CTA serializes its wave's state load, compute and store, and 2 vs 3 CTAs per SM did not change
-that. A persistent C = 1 grid (2 CTAs/SM) that bulk-copies the next head's state into shared memory
-while it computes the current one (branch kda-persistent, not merged) was measured on the H200 on
-2026-11-29 (session 5), us plain / PDL:
-    H   B  floor    c1           persistent
-   12  64  24.13   30.8/30.0    33.5/30.7
-   32  64  64.34   74.0/72.9    81.6/77.7
-   96  64 193.01  211.7/211.1  230.4/227.2
-slower everywhere, so the wave bubbles are not what separates H = 12, B = 64 from the floor. Time
-fits ~4 us + floor / 0.93 across H and B (results/kda_decode_h200_min32calls.json, 32 calls per
-graph), and C = 1 already uses 128 registers per thread (the 2-CTA/SM limit).
-Session 6 (2026-11-29) tried two more, both not merged:
-  * the s2 variant (two 128-thread CTAs per (request, head) without a cluster, the RMSNorm
-    partials through global scratch + a last-CTA counter; branch kda-split2): correct on the
-    H200 (all its GPU tests pass) but slower, us plain / PDL (results/kda_decode_h200_s2.json):
-    H12 B64 32.6/31.1 vs c1 30.6/29.6, H96 B64 221.1/219.8 vs 210.9/209.1;
-  * L1 hints on the state stream (ld.global.L1::no_allocate, st.global.L1::evict_first; branch
-    kda-hints): PDL H12 B64 29.1-29.8 us against 29.7 without, H96 B64 211.3-219.7 against
-    210.0 (results/kda_decode_h200_cache_hints.json): within noise at H = 12, worse at H = 96.
-Reference points for H = 12, B = 64 (48 MiB of state read + written per call), one H200 run of
-2026-11-30 (results/h200_floors_and_variance_session9.json; 32 calls per CUDA graph over 8
-rotating buffers): torch copy to another buffer 25.8 us, in-place read-modify-write of the same
-bytes 26.0 us, this kernel with PDL 29.5-29.9 us; the 28 us target asks for ~93 % of what a
-plain in-place pass over the bytes reaches (this kernel: ~88 %).
-Session 10 (2026-11-30, results/kda_decode_h200_session10_ab.json, us per call with PDL,
-interleaved rounds on one machine each):
-  * early_rows: with every row pass loaded before the wait, each resident CTA then waits on the
-    projected rows with its state already in registers, and DRAM idles. Loading 2 of the 8 row
-    passes early (C = 1; the rest right after the projected rows), over four runs on three
-    machines: H=12 B=64 29.0-29.6 vs 29.6-30.6, H=12 B=16 8.9-9.3 vs 9.3-9.8, H=32 B=64
-    72.1-72.2 vs 72.8-73.0 in one run and 73.2-73.3 vs 73.0-73.4 in the other, H=96 B=64
-    0-0.5 % slower (209.4-212.2 vs 209.2-211.2), H=12 B=1 (C = 4: 2 passes are all) unchanged;
-    0 early is slower at B=1 (2.7 vs 2.2). The full grid with 2 early everywhere (below) was
-    0.3-0.6 us slower than kda_decode_h200_min32calls.json below 128 CTAs (H=12 B=2 3.2 vs 2.8,
-    B=4 4.3 vs 3.6, H=32 B=1 3.4 vs 3.0; another machine, plain times equal to within 3 %), so
-    choose_early_rows keeps every load early there.
-  * the kernel without its math (state loaded and stored back unchanged): H=12 B=64 28.5-28.9,
-    H=96 B=64 209.6-210.1; torch in-place multiply of the same bytes 25.8-26.0 / 191.8-192.0.
-    So the math costs < 1 us; the rest of the gap is this load -> compute -> store structure
-    with 2 CTAs of 64 KB per SM. Contiguous slot ranges instead of random ones: ~0.5 us faster.
-  * a persistent C = 1 grid (2 CTAs per SM looping over (request, head) items, the next slot
-    index loaded during the current item; 16 B of spill at the 128-register cap): H=12 B=64
-    30.1-30.4, H=32 B=64 77.3-77.6, H=96 B=64 223.2-223.6: slower (branch kda-late-state).
-  Full grid with 2 early in every cell (results/kda_decode_h200_early_rows.json, copy 4185 GB/s
-  there): H=12 B=64 29.2 us (82 % of the floor at that bandwidth), H=96 B=64 210.8 us (1.10x
-  the floor), 121 GPU tests passed. The launcher's split by grid size (choose_early_rows) was
-  set after that run from those two files and not timed as such on the H200.
-Session 12 (2026-11-30): the launcher's rule as one grid (results/
-kda_decode_h200_launcher_session12.json, copy 4141 GB/s; 121 GPU tests passed on that machine):
-H=12 B=1 2.1 us PDL, H=12 B=64 29.4 us (83 % of the floor), H=96 B=64 211.6 us (1.09x). The
-early_rows A/B at H=12 B=64 on the same machine: e1 29.4, e2 29.4, e4 29.6, e8 29.8 us
-(_early_rows_ab_session12.json). ncu, one call at H=12 B=64 (_ncu_session12.json): 27.4 us, 53.2
-MB read + 26.0 MB written, 23 % of warp slots active, against 25.0 us and 50.3 + 24.1 MB for a
-torch in-place pass over the same state. A persistent grid with register rotation (the next
-(request, head)'s state pass i loaded right after the current pass i is stored; branch
-kda-rotate, 16 B of spill at the 128-register cap, all 121 GPU tests passed) was slower: H=12
-B=64 31.6 us with 264 CTAs, 40.6 with 132 (one per SM), H=96 B=64 232.1
-(_rotate_ab_session12.json).
+Status on the H200 (session 12, results/kda_decode_h200_launcher_session12.json, PDL): H=12
+B=1 2.1 us, H=12 B=64 29.4 us (83 % of the copy floor; the issue's target is 28), H=96 B=64
+211.6 us (1.09x the floor). What was tried against the H=12 B=64 gap (occupancy caps, shared
+memory staging, two-CTA splits, persistent grids, cache hints, early_rows), each with its JSON:
+docs/kernel_history.md.
 """
 from __future__ import annotations
 

@@ -194,91 +194,10 @@ H200, session 7 (mla_decode_h200_session7_ab.json, `pv12_*` / `pv32_*`): H=12 B=
 B=64 L=8K 122.0 -> 119.5. PDSERVE_MLA_SWAPAB_PV="group,in_flight" overrides the pair for A/B
 runs.
 
-Status after session 7 (commit 8c1d4b6, vectorized fp8 epilogue, V prefetch, one-group combine,
-swapab for every call): all 244 MLA GPU tests pass on the H200. fp8, auto core = swapab, % of the
-copy floor where B x L >= 256K (results/mla_decode_h200_auto.json / _auto_early_kv.json as
-committed in dbaf2e3; session 8 replaced them):
-H=12 76-95 % (B=8 L=32K 47.0 / 46.5 us), H=32 58-72 % (B=8 L=32K 61.4 / 60.4 us,
-B=64 L=32K 421.4 / 422.1). An H200 profile of H=32 B=64 L=32K (ncu, base clocks) puts ~32 % of
-the consumer warps' stall samples in S^T (waiting on the e4m3 wgmma chunks), ~25 % in the
-softmax (column max across the 4 warps through smem) and ~32 % in PV; the tensor pipe is ~40 %
-busy, so the consumers are latency-bound, not MMA-bound. Tried and dropped: a fifth stage
-(above), one e4m3 wgmma of N = 2 h_pad per k-step for Q_hi and Q_lo (branch mla-qk-joint: H=12
-passed and was within noise, H=32 failed the GPU tests).
-
-Session 8 (2026-11-30; results/mla_decode_h200_auto.json / _auto_early_kv.json ran on 8d739a4;
-the code since has the PTX of 74eea87 for the fp8 variants and of 795ec22 for bf16, both of
-which passed all 244 MLA GPU tests; 8d739a4's fp8 PTX differed only in where O^T is converted
-to bf16):
-  * split partials: bf16 for the fp8 cache (`partial_dtype`; the combine reads them as bf16), fp32
-    for the bf16 cache; A/B (results/mla_decode_h200_partials_session8.json, early_kv, us bf16 /
-    fp32): fp8 H=32 B=1 L=8K 10.3 / 13.0, B=8 L=1K 11.3 / 13.2, B=8 L=32K 57.4 / 62.3, B=64 L=8K
-    106.3 / 110.7, H=12 B=1 L=8K 9.3 / 10.0; bf16 lost at small B x L (H=12 B=1 L=1K 7.7 / 6.4,
-    B=8 L=1K 9.5 / 7.9, H=32 B=1 L=8K 11.2 / 10.8), so it keeps fp32.
-  * one consumer for fp8 splits of <= 2 tiles (cutedsl.choose_consumers).
-  * B=1 L=8K with early_kv: fp8 H=12 9.3 us, H=32 10.3; bf16 8.3 / 10.7. fp8 H=32 where
-    B x L >= 256K: 63-71 % in the final run (61-74 % without early_kv); the same fp8 kernels
-    reached 75 % (B=8 L=128K 188.8 us) and 76 % (B=64 L=32K 372.2) in another run of this
-    session (partials_session8.json, "full_grid_bf16_partials_for_both_caches"): between runs
-    (fresh machines) the long cells moved by up to ~15 %.
-  * measured and not kept: the split combine inside the attention kernel (per-request
-    counters, each split CTA merging a 1 / num_splits slice; branch mla-fused-combine-swapab):
-    correct (its 17 GPU tests passed) but slower in 22 of 24 cells, e.g. B=1 L=8K bf16 H=32 17.5
-    vs 10.8 us (results/mla_decode_h200_fused_combine_ab.json). Diagnostics
-    (results/mla_decode_h200_session8_experiments.json, from stdout): skipping the Q_lo half of
-    S^T (wrong values) is ~11 % faster at H=32 B>=8, the upper bound of a joint Q_hi / Q_lo
-    wgmma; replacing the V cvt by a mov 2-6 % in 5 of 6 cells (the sixth, a noisy one,
-    slower); qk_promote's 9 chunks cost no B=1 latency.
-
-Session 9 (2026-11-30), H200 A/B runs, none kept (branches stay unmerged; us, early_kv):
-  * bf16 staged epilogue (branch mla-bf16-staged, PDSERVE_MLA_SWAPAB_STAGED=1; its GPU tests
-    passed): H=32 B=1 L=8K 11.0-11.1 vs 10.8, B=1 L=1K 7.9 vs 6.6-6.7, 2-5 % faster at H=32 B=8
-    L >= 8K (results/mla_decode_h200_staged_ab.json).
-  * lazy running maxima (branch mla-lazy-max merged with main): no consistent gain; one of its
-    GPU tests failed the fp8 LSE tolerance (0.0116) (mla_decode_h200_lazy_max_ab_session9.json).
-  * S^T promotion every 3, 6 or 18 k-steps instead of 2 (branch mla-qk-chunk): no gain, so the
-    chunked S^T chain is not what holds H=32 back; 6 fails the LSE tolerance
-    (mla_decode_h200_qk_chunk_ab_session9.json).
-  * L2 prefetch of tiles ahead of the ring (branch mla-l2-prefetch, cp.async.bulk.prefetch.tensor
-    from one producer lane): correct, 9-67 % slower in every cell but B=1 L=8K (unchanged),
-    e.g. fp8 H=12 B=64 L=8K 80.7 -> 134.4 (mla_decode_h200_l2_prefetch_ab_session9.json).
-  * B=1 L=8K H=32: head_groups 1 / 2 x splits 32 / 64 / 128 x 1 / 2 consumers; none clearly
-    faster than the defaults (bf16 10.9-11.0, fp8 10.4-10.5; bf16 head_groups 2: 10.7 / 11.2;
-    mla_decode_h200_b1_l8k_variants_session9.json).
-  * the same fp8 H=32 B=64 L=32K cell took 386.7, 418.8, 388.7, 412.8 us in consecutive runs of
-    one process (fresh cache allocation and page permutation each) with the SM clock at 1980 MHz
-    (h200_floors_and_variance_session9.json); on another machine re-timing one cache and page
-    permutation was stable to ~2 % (438-445) while a new permutation or a new allocation moved
-    it to 440-486, and pages in order were no faster (mla_decode_h200_fp8_h32_placement_session9
-    .json): single runs of the long fp8 H=32 cells are only good to ~10 %.
-  * ncu of the current fp8 H=32 B=64 L=32K kernel (mla_decode_h200_fp8_h32_profile_session9.json):
-    consumers' stall samples on wgmma waits 16 %, the V cvt 14 %, S^T's QGMMA issue 11 %, PRMT
-    7 %, SEL 5 % (V words zeroed past the end on every tile, not only the last); DRAM 52 % busy,
-    0.46 instructions issued per scheduler and cycle, 0.66 of 2.24 warps eligible: the
-    consumers' dependency chains and per-tile instruction count set the pace at H = 32.
-
-Session 10 (2026-11-30): the joint fp8 S^T (B = [Q_hi ; Q_lo] as one operand of 2 h_pad rows,
-18 e4m3 wgmma m64n(2 h_pad)k32 per tile instead of 36 m64n(h_pad)k32, so each K tile is read from
-smem once per k-step; results/mla_decode_h200_qk_joint_session10.json). Not merged:
-  * session 7's H=32 failure was its one-chunk-accumulator path (wrong at h_pad 16 too); with two
-    accumulators both h_pad are right, but at h_pad 32 they spill and H=32 ran 4-6 % slower.
-  * at h_pad 16 (branch mla-qk-joint16: no spill, 16 GPU tests passed), us off / on: H=12 B=1
-    L=8K 9.55 / 9.24, B=64 L=8K 82.7 / 78.9, B=64 L=32K 288.9 / 286.1, B=8 L=32K 45.3 / 45.5;
-    H=32 (2 head groups of 16) B=1 L=8K 10.40 / 10.14, B=8 L=8K 29.2 / 27.1.
-  * but with two consumers and 1024-tile splits (B=64 L=128K, H=12) it failed intermittently
-    with 'unspecified launch failure' (about 1 in a few hundred calls, on 2 of 3 machine starts;
-    not under CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer in 300 calls each), while the default
-    path ran ~1900 calls of that shape without a failure. Cause not found.
-
-Session 12 (2026-11-30), H200, fp8 H=32 early_kv, interleaved A/B runs on one machine:
-  * fp8 PV zeroes the V words past the end only on the last tile (PV written twice behind a
-    run-time `if last`; the other tiles carry no SEL): merged after its 133 fp8 GPU tests
-    passed. Faster in 6 of 9 cells (B=64 L=8K 105.5-109.2 vs 118.9-119.3 us, B=64 L=128K
-    1599-1611 vs 1671-1672), 1.3-1.5 % slower at B=1 L=32K
-    (results/mla_decode_h200_vmask_ab_session12.json).
-  * S^T with A = K in registers (one ldmatrix per k-step feeding both e4m3 terms; branch
-    mla-qk-rs): its 24 GPU tests passed, not faster (B=1 L=8K 11.0 / 10.9 off vs 11.5 / 11.7 on)
-    (results/mla_decode_h200_qk_rs_ab_session12.json). Not merged.
+H200 history of this core after session 7 (what was tried, kept or dropped, each with its
+JSON: partial types, consumers, staged epilogue, lazy maxima, promotion chunks, L2 prefetch, joint
+and register-A S^T, the last-tile V mask): docs/kernel_history.md. Current figures:
+cutedsl.py's docstring and docs/kernels.md.
 
 head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
