@@ -102,7 +102,7 @@ def main() -> None:
             line += f"  {v} {t * 1e3:7.2f} ms (x{ref_t / t:4.2f}, {same}/{total})"
         if args.cuda_graphs:
             line += "\n     graphs:"
-            for v, (t_eager, tok_eager) in eager.items():
+            for v, (_, tok_eager) in eager.items():
                 t, tok = run(model, v, b, args.prompt, args.steps, True)
                 same, _ = agree(tok_eager, tok)
                 row.update({f"{v}_graph_step_ms": t * 1e3, f"{v}_graph_speedup": ref_t / t,
