@@ -308,6 +308,10 @@ def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PARTIAL", "fp16")
     with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PARTIAL='fp16'"):
         mc.kernel_config(True, h_pad, 64, core="swapab")
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_PARTIAL")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_ORDER='yes'"):
+        mc.kernel_config(True, h_pad, 64, core="swapab", consumers=2)
 
 
 def test_swapab_two_consumer_merge_model():

@@ -338,7 +338,8 @@ class MlaDecodeSwapAbKernel:
         # tile t's S^T wgmmas start once tile t - 1's (the other consumer's) have retired, so
         # one consumer's softmax / P^T / V conversion runs under the other's S^T). Opt-in
         # (PDSERVE_MLA_SWAPAB_ORDER=1); default: the two run free
-        self.ordered = consumers == 2 and os.environ.get("PDSERVE_MLA_SWAPAB_ORDER", "0") == "1"
+        self.ordered = (consumers == 2
+                        and env_choice("PDSERVE_MLA_SWAPAB_ORDER", ("0", "1")) == "1")
         self.num_threads = 128 * (1 + consumers)
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
         fixed = (h_pad * D_QK * 2                      # Q

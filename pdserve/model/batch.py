@@ -72,12 +72,16 @@ class DecodeBatch:
     padded with page 0). Rows with `live` False are padding: they point at slot 0 / page 0, which
     the pools never hand out, and the layers write no state for them. `kda_slots` holds the same
     slot ids as int32, built with the batch: the fused KDA op reads it before its PDL wait, so it
-    must not be converted by a kernel right before that op (see `KDAAttention.forward`)."""
-    slots: torch.Tensor      # [B] int64
-    pages: torch.Tensor      # [B, max_pages] int64
-    context: torch.Tensor    # [B] int64
-    live: torch.Tensor       # [B] bool
-    kda_slots: torch.Tensor  # [B] int32, = slots
+    must not be converted by a kernel right before that op (see `KDAAttention.forward`).
+    `mla_pages` / `mla_seq_lens` are the fused MLA op's int32 block table and lengths (the new
+    token included), also built once per step rather than converted in every MLA layer."""
+    slots: torch.Tensor         # [B] int64
+    pages: torch.Tensor         # [B, max_pages] int64
+    context: torch.Tensor       # [B] int64
+    live: torch.Tensor          # [B] bool
+    kda_slots: torch.Tensor     # [B] int32, = slots
+    mla_pages: torch.Tensor     # [B, max_pages] int32, = pages
+    mla_seq_lens: torch.Tensor  # [B] int32, = context + 1
 
     @property
     def num_rows(self) -> int:
@@ -106,9 +110,12 @@ class DecodeBatch:
         context = torch.tensor([t.num_tokens for t in tables] + [0] * pad, dtype=torch.long)
         live = torch.arange(rows) < len(tables)
         return DecodeBatch(slots.to(device), pages.to(device), context.to(device),
-                           live.to(device), slots.to(torch.int32).to(device))
+                           live.to(device), slots.to(torch.int32).to(device),
+                           pages.to(torch.int32).to(device),
+                           (context + 1).to(torch.int32).to(device))
 
     def copy_(self, other: DecodeBatch) -> None:
         """Overwrite these tensors in place (a captured graph's static inputs)."""
-        for name in ("slots", "pages", "context", "live", "kda_slots"):
+        for name in ("slots", "pages", "context", "live", "kda_slots", "mla_pages",
+                     "mla_seq_lens"):
             getattr(self, name).copy_(getattr(other, name))

@@ -122,11 +122,9 @@ class MLAAttention(nn.Module):
         Padding rows attend to their page-0 row (seq_len 1); their output is discarded. The
         split count follows from the batch's page width, so a captured step needs no host sync."""
         w_uk, w_uv = self.w_uk_uv()
-        data = pool.data[layer]
-        fp8 = data.dtype == torch.float8_e4m3fn
-        res = mla_step(self._absorb(q, w_uk).to(torch.bfloat16), data, batch.pages.to(torch.int32),
-                       (batch.context + 1).to(torch.int32), self.scale,
-                       pool.scale if fp8 else None,
+        res = mla_step(self._absorb(q, w_uk).to(torch.bfloat16), pool.data[layer],
+                       batch.mla_pages, batch.mla_seq_lens, self.scale,
+                       pool.scale if pool.is_fp8 else None,
                        max_seq_len=batch.pages.shape[1] * pool.page_tokens)
         if res is None:
             return None
@@ -154,13 +152,10 @@ def _store_decode_rows(pool: LatentPool, layer: int, batch: DecodeBatch,
     data, pt = pool.data[layer], pool.page_tokens
     page = batch.pages.gather(1, (batch.context // pt)[:, None])[:, 0]
     row = batch.context % pt
-    new = (new_rows.float() / pool.scale if data.dtype == torch.float8_e4m3fn
-           else new_rows).to(data.dtype)
-    data.index_put_((page, row), torch.where(batch.live[:, None], new, data[page, row]))
+    data.index_put_((page, row),
+                    torch.where(batch.live[:, None], pool.quantize(new_rows), data[page, row]))
 
 
 def _gather_rows(pool: LatentPool, layer: int, batch: DecodeBatch) -> torch.Tensor:
     """Every row's pages as [B, max_pages * page_tokens, R+P] fp32 (dequantized)."""
-    data = pool.data[layer]
-    rows = data[batch.pages].flatten(1, 2).to(torch.float32)
-    return rows * pool.scale if data.dtype == torch.float8_e4m3fn else rows
+    return pool.dequantize(pool.data[layer][batch.pages].flatten(1, 2))

@@ -146,18 +146,28 @@ class LatentPool(_IdPool):
         page_ids = torch.tensor(pages, dtype=torch.long)[pos // self.page_tokens]
         return page_ids.to(self.data.device), (pos % self.page_tokens).to(self.data.device)
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.data.dtype == torch.float8_e4m3fn
+
+    def quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Latent rows -> the pool's dtype (fp8: divided by the per-tensor scale first)."""
+        return (rows.float() / self.scale if self.is_fp8 else rows).to(self.data.dtype)
+
+    def dequantize(self, rows: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """Stored rows -> `dtype` values (fp8: times the per-tensor scale)."""
+        rows = rows.to(dtype)
+        return rows * self.scale if self.is_fp8 else rows
+
     def write(self, layer: int, pages: list[int], start: int, rows: torch.Tensor) -> None:
         """Store `rows` [count, width] as tokens start..start+count-1."""
         p, r = self._rows(pages, start, rows.shape[0])
-        if self.data.dtype == torch.float8_e4m3fn:
-            rows = rows.float() / self.scale
-        self.data[layer, p, r] = rows.to(self.data.dtype)
+        self.data[layer, p, r] = self.quantize(rows)
 
     def read(self, layer: int, pages: list[int], count: int, dtype=torch.float32) -> torch.Tensor:
         """Tokens 0..count-1 as [count, width] in `dtype` (dequantized)."""
         p, r = self._rows(pages, 0, count)
-        rows = self.data[layer, p, r].to(dtype)
-        return rows * self.scale if self.data.dtype == torch.float8_e4m3fn else rows
+        return self.dequantize(self.data[layer, p, r], dtype)
 
 
 class SlotPool(_IdPool):
