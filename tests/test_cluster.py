@@ -2,7 +2,6 @@
 monolithic generate loop's tokens; decode/prefill actor deaths are survived or reported; bad
 input, cancellation and a mixed load leave nothing lost, hung or held."""
 import asyncio
-import socket
 import threading
 import time
 
@@ -17,15 +16,11 @@ from pdserve.model.config import preset
 from pdserve.model.generate import ReferenceEngine, build_model
 from pdserve.model.sampling import SamplingParams
 
+from ports import free_port
+
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["Disaggregated prefill and decode ", "hi", "KDA + MLA hybrid state over NIXL, resharded"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(prefill_instances=1, prefill_tp=1, decode_instances=1, decode_tp=1, **transfer):

@@ -3,7 +3,6 @@ over HTTP, then stopped."""
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd, timeout=120, env=None):

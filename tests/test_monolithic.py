@@ -14,7 +14,8 @@ from pdserve.cluster.serve import running_server
 from pdserve.decode.instance import MonolithicInstance
 from pdserve.model.sampling import SamplingParams
 
-from test_cluster import PROMPTS, assert_kill_resumes, completion_ids, free_port, monolithic
+from ports import free_port
+from test_cluster import PROMPTS, assert_kill_resumes, completion_ids, monolithic
 
 openai = pytest.importorskip("openai")
 
