@@ -562,7 +562,8 @@ def test_swapab_fp8_q_split_numerics():
 
 def test_combine_kernel_compiles():
     # fp32 partials (mma, wgmma cores) and bf16 (swapab): separate variants
-    for shape in (mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_WIDE):
+    for shape in (mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_WIDE, mc.COMBINE_WIDE_BESIDE,
+                  mc.COMBINE_WIDE_BESIDE_BF16):
         assert mc.compile_combine(shape) is mc.compile_combine(shape)
         bf = mc.compile_combine(shape, cutlass.BFloat16)
         assert bf is mc.compile_combine(shape, cutlass.BFloat16) and bf is not \
@@ -574,6 +575,14 @@ def test_combine_kernel_compiles():
     assert [mc.choose_combine(n) for n in (2, 8, 9, 31, 32, 300)] == [
         mc.COMBINE_FEW, mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_NARROW, mc.COMBINE_WIDE,
         mc.COMBINE_WIDE]
+    # many splits: the attention grid's CTAs decide (>= 3/4 of the 132 SMs: full), then the
+    # partials' type; few splits ignore both
+    assert [mc.choose_combine(64, ctas, fp32) for ctas, fp32 in
+            ((128, True), (99, False), (98, True), (64, True), (64, False))] == [
+        mc.COMBINE_WIDE, mc.COMBINE_WIDE, mc.COMBINE_WIDE_BESIDE, mc.COMBINE_WIDE_BESIDE,
+        mc.COMBINE_WIDE_BESIDE_BF16]
+    assert mc.choose_combine(8, 8, False) == mc.COMBINE_FEW
+    assert mc.choose_combine(31, 31, True) == mc.COMBINE_NARROW
 
 
 @pytest.mark.parametrize("B,L,H", [(1, 1, 12), (1, 8192, 32), (64, 131072, 32), (8, 1000, 12)])

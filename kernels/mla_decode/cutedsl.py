@@ -48,8 +48,8 @@ per graph; benchmarks/results/mla_decode_h200_auto.json and _auto_early_kv.json)
     round trips overlap the previous kernel; Q and every write stay behind the wait. Contract:
     the kernel right before it in the stream writes none of those.
   * Every kernel is launched with PDL and triggers its dependents on entry; the combine uses one
-    split group per (request, head) up to 8 splits, 4 up to 31, and spreads each head over 4 CTAs
-    of 16 groups from 32 (`choose_combine`).
+    split group per (request, head) up to 8 splits, 4 up to 31, and from 32 spreads each head
+    over several CTAs (`choose_combine`; its shapes there changed in session 13).
 
 Cores: this module's `MlaDecodeKernel` (mma.sync, above; core="mma") and the warpgroup-MMA core
 in wgmma.py (`MlaDecodeWgmmaKernel`, core="wgmma": 64-row wgmma with Q in smem, S and P in
@@ -890,8 +890,8 @@ class CombineKernel:
 
     The combine is latency-bound at small batch (B = 1 has only H CTAs per chunk): with one group
     and 4 loads in flight, 128 splits took ~32 dependent DRAM round trips (~20 us on the H200);
-    with 4 groups, ~4. Many splits (`choose_combine`) take 4 column chunks of 16 groups: 4x the
-    CTAs, each reading a quarter of the bytes, one round trip of loads per thread.
+    with 4 groups, ~4. Many splits (`choose_combine`) spread each head over 2-8 column chunks
+    of 8-32 groups, one round trip of loads per thread.
 
     Every kernel here is launched with programmatic dependent launch (PDL) and triggers its
     dependents on entry, then waits (griddepcontrol.wait) before its first global access: the
@@ -1166,20 +1166,38 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
 
 
 # combine shapes (column chunks, groups): few splits read little per (request, head); many splits
-# (B = 1 long contexts) spread each head over 4 CTAs of 16 groups
+# (B = 1 long contexts) spread each head over several CTAs of many groups, shaped by whether the
+# attention grid left SMs free (choose_combine)
 COMBINE_FEW = (1, 1)
 COMBINE_NARROW = (1, 4)
-COMBINE_WIDE = (4, 16)
+COMBINE_WIDE = (8, 32)                    # many splits, attention grid filling the GPU
+COMBINE_WIDE_BESIDE = (4, 8)              # many splits, fp32 partials, SMs left free
+COMBINE_WIDE_BESIDE_BF16 = (2, 8)         # the same with bf16 partials
 COMBINE_WIDE_MIN_SPLITS = 32
 
 
-def choose_combine(num_splits: int) -> tuple[int, int]:
-    """(column chunks, split groups) of the combine: one group when every split's partial is among
-    a thread's first UNROLL loads (H200, session 7, B=64 L=8K with 2 splits: fp8 H=12 89.3 ->
-    83.2 us, H=32 123.1 -> 109.7, bf16 H=32 159.8 -> 149.0 against 4 groups, of which 2 idle)."""
-    if num_splits >= COMBINE_WIDE_MIN_SPLITS:
+def choose_combine(num_splits: int, main_ctas: int | None = None,
+                   fp32_partials: bool = True) -> tuple[int, int]:
+    """(column chunks, split groups) of the combine for `num_splits` splits after an attention
+    grid of `main_ctas` CTAs (None: taken as filling the GPU).
+      * <= UNROLL splits: one group, every split among a thread's first loads (H200, session 7,
+        B=64 L=8K with 2 splits: fp8 H=12 89.3 -> 83.2 us, H=32 123.1 -> 109.7, bf16 H=32
+        159.8 -> 149.0 against 4 groups, of which 2 idle); up to 31: 4 groups.
+      * >= 32 splits (B = 1, L >= 4K): the shape that was fastest on the H200 in session 13's
+        sweep of 13 shapes (results/mla_decode_h200_combine_shapes_session13.json, B=1,
+        early_kv, three machine starts; the combine adds 2.5-4.3 us to a 5-43 us attention
+        kernel there). Where the attention grid fills the GPU (>= 3/4 of the SMs; the cells had
+        128 or 132 CTAs) 8 chunks of 32 groups: fp8 H=32 L=8K 10.3 -> 10.1 us, L=32K 19.4 ->
+        17.5, L=128K 36.5 -> 35.5, bf16 H=32 L=32K 19.7 -> 18.9 (L=128K unchanged) against the
+        previous 4 x 16. Where it leaves SMs free (the cells had 64 CTAs; 65-127 were not
+        measured), on which the combine's CTAs wait from the start: 4 chunks of 8 groups for fp32
+        partials (bf16 H=32 L=8K 10.9 -> 10.0, H=12 8.1 -> 7.3), 2 x 8 for bf16 partials (fp8
+        H=12 L=8K 9.2 -> 8.9)."""
+    if num_splits < COMBINE_WIDE_MIN_SPLITS:
+        return COMBINE_FEW if num_splits <= CombineKernel.unroll else COMBINE_NARROW
+    if main_ctas is None or 4 * int(main_ctas) >= 3 * NUM_SMS_H200:
         return COMBINE_WIDE
-    return COMBINE_FEW if num_splits <= CombineKernel.unroll else COMBINE_NARROW
+    return COMBINE_WIDE_BESIDE if fp32_partials else COMBINE_WIDE_BESIDE_BF16
 
 
 def compile_combine(shape: tuple[int, int] = COMBINE_NARROW, partial_dtype=Float32):
@@ -1353,7 +1371,7 @@ def mla_decode_cutedsl(
          Int32(Bv), Int32(Hv), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
          Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
     if num_splits > 1:
-        comb = compile_combine(choose_combine(num_splits), pdt)
+        comb = compile_combine(choose_combine(num_splits, Bv * num_splits, pdt is Float32), pdt)
         comb(P(pdt, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
              Int32(B), Int32(H), Int32(num_splits), stream)
     return out, lse

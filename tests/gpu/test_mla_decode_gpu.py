@@ -145,6 +145,19 @@ def test_forced_splits(num_splits, core, fp8):
     check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core=core)
 
 
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 4), (2, 8), (4, 8), (4, 16), (8, 32), (16, 16)])
+@pytest.mark.parametrize("num_splits", [3, 64, 300])
+def test_combine_shapes(num_splits, shape, fp8, monkeypatch):
+    """Combine shapes (column chunks, split groups), those choose_combine picks and others,
+    against the reference whatever choose_combine would pick: splits beyond a thread's first
+    UNROLL loads, empty splits, fp32 (bf16 cache) and bf16 (fp8 cache) partials."""
+    from pdserve.kernels.mla_decode import cutedsl
+    monkeypatch.setattr(cutedsl, "choose_combine", lambda n: shape)
+    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core="swapab")
+
+
 # swapab consumer warpgroups: (cache, PDSERVE_MLA_SWAPAB_CONSUMERS, PDSERVE_MLA_SWAPAB_ORDER); the
 # defaults (fp8: 2 free-running, bf16: 1) run in every other test
 SWAPAB_VARIANTS = {"fp8-1": (True, "1", "0"), "fp8-2-ordered": (True, "2", "1"),
