@@ -25,6 +25,12 @@ LSE = -inf only, and the combine skips it.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
+Status on the H200, session 13 (commit 41dbde5; benchmarks/results/
+mla_decode_h200_auto_early_kv_session13.json, early_kv; 288 MLA GPU tests passed on the machine):
+B = 1, L = 8K: bf16 7.2 / 9.9 us, fp8 8.8 / 10.1 (H = 12 / 32), from choose_combine's new shapes
+for >= 32 splits; the other cells run session 12's code (fp8 H = 32 where B x L >= 256K: 0.61-0.70
+of the copy floor on this machine, 0.64-0.77 in session 12's run).
+
 Status on the H200, session 12 (commit 713ceee; benchmarks/results/
 mla_decode_h200_auto_early_kv_session12.json, early_kv; 246 MLA GPU tests passed on the machine):
 fraction of the copy floor where B x L >= 256K: bf16 0.94-1.05 (H = 12), 0.88-1.03 (H = 32);
