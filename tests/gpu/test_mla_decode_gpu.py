@@ -150,9 +150,9 @@ def test_forced_splits(num_splits, core, fp8):
 @pytest.mark.parametrize("shape", [(1, 1), (1, 4), (2, 8), (4, 8), (4, 16), (8, 32), (16, 16)])
 @pytest.mark.parametrize("num_splits", [3, 64, 300])
 def test_combine_shapes(num_splits, shape, fp8, monkeypatch):
-    """Combine shapes (column chunks, split groups), those choose_combine picks and others,
-    against the reference whatever choose_combine would pick: splits beyond a thread's first
-    UNROLL loads, empty splits, fp32 (bf16 cache) and bf16 (fp8 cache) partials."""
+    """Each combine shape (column chunks, split groups) -- those choose_combine picks and others --
+    forced for every call, against the reference: splits beyond a thread's first UNROLL loads,
+    empty splits, fp32 (bf16 cache) and bf16 (fp8 cache) partials."""
     from pdserve.kernels.mla_decode import cutedsl
     monkeypatch.setattr(cutedsl, "choose_combine", lambda *args: shape)
     check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core="swapab")
