@@ -1191,15 +1191,16 @@ def choose_combine(num_splits: int, main_ctas: int | None = None,
         159.8 -> 149.0 against 4 groups, of which 2 idle); up to 31: 4 groups.
       * >= 32 splits (B <= 4 with long contexts, e.g. B = 1 from L = 4K): the shape that was
         fastest on the H200 in session 13's sweep of 13 shapes (results/
-        mla_decode_h200_combine_shapes_session13.json, B=1, early_kv, swapab core, three
-        machine starts; the combine adds 2.6-4.5 us to a 5-43 us attention kernel there; calls
-        on the other cores follow the same rule, unmeasured). Where the attention grid fills
-        the GPU (>= 3/4 of the SMs; the cells had 128 or 132 CTAs) 8 chunks of 32 groups: fp8
-        H=32 L=8K 10.3 -> 10.1 us, L=32K 19.4 -> 17.5, L=128K 36.5 -> 35.5, bf16 H=32 L=32K
-        19.7 -> 18.9 (L=128K unchanged) against the previous 4 x 16. Where it leaves SMs free
-        (the cells had 64 CTAs; 65-127 were not measured), on which the combine's CTAs wait
-        from the start: 4 chunks of 8 groups for fp32 partials (bf16 H=32 L=8K 10.9 -> 10.0,
-        H=12 8.1 -> 7.3), 2 x 8 for bf16 partials (fp8 H=12 L=8K 9.2 -> 8.9)."""
+        mla_decode_h200_combine_shapes_session13.json, B=1, early_kv, swapab core, two to
+        three machine starts; the combine adds 2.6-4.5 us to a 5-43 us attention kernel
+        there; calls on the other cores follow the same rule, unmeasured). Where the attention
+        grid fills the GPU (>= 3/4 of the SMs; the cells had 128 or 132 CTAs) 8 chunks of 32
+        groups: fp8 H=32 L=8K 10.3 -> 10.1 us, L=32K 19.4 -> 17.5, L=128K 36.5 -> 35.5, bf16
+        H=32 L=32K 19.7 -> 18.9 (L=128K unchanged) against the previous 4 x 16. Where it
+        leaves SMs free (the cells had 64 CTAs; 65-127 were not measured), on which the
+        combine's CTAs can become resident early: 4 chunks of 8 groups for fp32 partials (bf16
+        H=32 L=8K 10.9 -> 10.0, H=12 8.1 -> 7.3), 2 x 8 for bf16 partials (fp8 H=12 L=8K
+        9.2 -> 8.9)."""
     if num_splits < COMBINE_WIDE_MIN_SPLITS:
         return COMBINE_FEW if num_splits <= CombineKernel.unroll else COMBINE_NARROW
     if main_ctas is None or 4 * int(main_ctas) >= 3 * NUM_SMS_H200:
