@@ -25,17 +25,13 @@ LSE = -inf only, and the combine skips it.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
-Status on the H200, session 13 (commit 41dbde5; benchmarks/results/
-mla_decode_h200_auto_early_kv_session13.json, early_kv; 288 MLA GPU tests passed on the machine):
-B = 1, L = 8K: bf16 7.2 / 9.9 us, fp8 8.8 / 10.1 (H = 12 / 32), from choose_combine's new shapes
-for >= 32 splits; the other cells run session 12's code (fp8 H = 32 where B x L >= 256K: 0.61-0.70
-of the copy floor on this machine, 0.64-0.77 in session 12's run).
-
-Status on the H200, session 12 (commit 713ceee; benchmarks/results/
-mla_decode_h200_auto_early_kv_session12.json, early_kv; 246 MLA GPU tests passed on the machine):
-fraction of the copy floor where B x L >= 256K: bf16 0.94-1.05 (H = 12), 0.88-1.03 (H = 32);
-fp8 0.77-0.95 (H = 12), 0.64-0.77 (H = 32). B = 1, L = 8K: bf16 8.2 / 10.7 us, fp8 9.1 / 10.3
-(H = 12 / 32). The session-8 figures below are the earlier record.
+Status on the H200 (figures of record: benchmarks/results/
+mla_decode_h200_auto_early_kv_session13.json, commit 41dbde5, early_kv; 288 MLA GPU tests passed
+on that machine; what each session tried: docs/kernel_history.md): fraction of the copy floor
+where B x L >= 256K: bf16 0.94-1.05 (H = 12), 0.88-1.04 (H = 32); fp8 0.765-0.99 (H = 12),
+0.61-0.70 (H = 32; 0.64-0.77 on session 12's machine, same code). B = 1, L = 8K: bf16 7.2 / 9.9
+us, fp8 8.8 / 10.1 (H = 12 / 32; session 13's choose_combine shapes for >= 32 splits took them
+from 8.2 / 10.7 and 9.1 / 10.3). The session-8 figures below are the earlier record.
 
 Status on the H200 (2026-11-30, session 8, commit 8d739a4; CUDA-graph medians, >= 16 calls
 per graph; benchmarks/results/mla_decode_h200_auto.json and _auto_early_kv.json):
