@@ -144,9 +144,15 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
     consumer's softmax / P^T / V conversion runs under the other's S^T. Default: the two run
     free, relying on the scheduler.
+  * an even ring with two consumers, so that each stage has one owner: with an odd one (5 at
+    h_pad 16 until session 14) consumer 1 could reach tile i + stages, in a stage of consumer
+    0's, while tile i's TMA was still in flight, and pass its full-barrier wait at once
+    (try_wait.parity of the phase after the current one reads as the completed phase before
+    it): stale data, and the stage released and refilled under consumer 0. A model of the
+    protocol over every order of events: tests/test_mla_ring_protocol.py.
   * smem (kernel_config.smem_bytes): fp8 199,680 B at h_pad 32 (4 x 36 KB stages: the fifth no
-    longer fits next to a second P^T + stats), 212,480 B at h_pad 16 (5 stages); bf16 with 2
-    consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages).
+    longer fits next to a second P^T + stats), 175,616 B at h_pad 16 (4 stages: the ring stays
+    even); bf16 with 2 consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages).
   * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
     32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers; the SASS
     (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
@@ -348,7 +354,16 @@ class MlaDecodeSwapAbKernel:
                  + 4 * 1024)                           # mbarriers / alignment
         max_stages = MAX_STAGES_FP8 if self.kv_fp8 else MAX_STAGES
         self.stages = min(max_stages, (SMEM_LIMIT - fixed) // per_stage)
-        assert self.stages >= 2, self.stages
+        if consumers == 2:
+            # An even ring, so that every stage belongs to one consumer (tile i: stage
+            # i % stages, owner i % 2). With an odd one, consumer 1 can reach tile i + stages
+            # (the other's stage) before tile i's TMA has landed: the full barrier is then still
+            # in the phase of tile i, and try_wait.parity of the next phase passes at once (it
+            # reads the parity of the phase before) -- stale data, and the stage released and
+            # refilled under the other consumer (a model of the protocol:
+            # tests/test_mla_ring_protocol.py)
+            self.stages -= self.stages % 2
+        assert self.stages >= 2 and self.stages % consumers == 0, (self.stages, consumers)
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
