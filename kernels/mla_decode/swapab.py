@@ -308,7 +308,8 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None):
+                 head_groups: int = 1, consumers: int | None = None,
+                 qk_joint: bool | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -377,6 +378,17 @@ class MlaDecodeSwapAbKernel:
         # SageAttention2); in a CPU model of that (tests/test_mla_decode_compile.py) one chain of
         # 36 costs about as much as rounding an fp32 Q to bf16, 9 chunks about a third of it.
         self.qk_promote = True
+        # fp8 S^T at h_pad 16 as one e4m3 wgmma m64n32k32 per k-step with B = [Q_hi ; Q_lo]
+        # (`_fp8_qk_joint`): each K tile is read from smem once per k-step instead of twice.
+        # PDSERVE_MLA_SWAPAB_QK_JOINT=0|1 overrides (A/B runs). Not at h_pad 32: its two
+        # 64 x 64 chunk accumulators next to O^T spill, and with one the results were wrong
+        # (branch mla-qk-joint)
+        if qk_joint is None:
+            env = os.environ.get("PDSERVE_MLA_SWAPAB_QK_JOINT", "")
+            if env not in ("", "0", "1"):
+                raise ValueError(f"PDSERVE_MLA_SWAPAB_QK_JOINT={env!r}: 0 or 1")
+            qk_joint = env == "1"
+        self.qk_joint = bool(qk_joint) and self.kv_fp8 and h_pad == 16
         # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
         self.pv_group, self.pv_in_flight = (4, 2) if h_pad == 16 else (2, 3)
@@ -465,7 +477,7 @@ class MlaDecodeSwapAbKernel:
         if cutlass.const_expr(self.kv_fp8):
             # Q_hi, Q_lo [hp, 576, 2] e4m3, K-major: the same 8-row x 64-byte, 64-byte swizzle
             # atoms as the K tile (576 bytes are not a multiple of the 128-byte swizzle)
-            sQ_layout = self.q8_layout(hp)
+            sQ_layout = self.q8_layout(hp, self.qk_joint)
         else:
             sQ_layout = cute.tile_to_shape(atom_k, (hp, D_QK), (0, 1))
         if cutlass.const_expr(self.kv_fp8):
@@ -653,8 +665,18 @@ class MlaDecodeSwapAbKernel:
                 thr_pv = pv_mma.get_slice(wtid)
                 # bf16: (MMA, 1, 36, st) / (MMA, 1, 36); fp8 (k32): (MMA, 1, 18, st) /
                 # (MMA, 1, 18, 2) (Q_hi, Q_lo)
-                tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sK))
-                tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
+                qkj_mma = None
+                fold = None
+                if cutlass.const_expr(self.qk_joint):
+                    # fp8 joint S^T: B = [Q_hi ; Q_lo] (sQ is the [2 hp, 576] operand), one
+                    # wgmma m64n(2 hp)k32 per k-step; (MMA, 1, 18, st) / (MMA, 1, 18)
+                    qkj_mma = self.joint_qk_mma(hp)
+                    thr_qkj = qkj_mma.get_slice(wtid)
+                    tSrK = thr_qkj.make_fragment_A(thr_qkj.partition_A(sK))
+                    tSrQ = thr_qkj.make_fragment_B(thr_qkj.partition_B(sQ))
+                else:
+                    tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sK))
+                    tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
                 tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))       # (MMA, 1, 4)
                 acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
                 acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((D_V, hp)))
@@ -697,8 +719,14 @@ class MlaDecodeSwapAbKernel:
                         (lO.shape[0], (gb, 8 // gb), lO.shape[2]),
                         stride=(lO.stride[0], (lO.stride[1], gb * lO.stride[1]), lO.stride[2])))
                     # S^T chunk accumulators (qk_promote)
-                    acc_T = [thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
-                             for _ in range(2 if self.qk_promote else 0)]
+                    if cutlass.const_expr(self.qk_joint):
+                        # 64 x 2 hp each: [K Q_hi^T, K Q_lo^T] of one 64-dim chunk
+                        acc_T = [thr_qkj.make_fragment_C(
+                            thr_qkj.partition_shape_C((TILE_N, 2 * hp))) for _ in range(2)]
+                        fold = self._joint_fold_map(qk_mma, qkj_mma, hp)
+                    else:
+                        acc_T = [thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
+                                 for _ in range(2 if self.qk_promote else 0)]
 
                 if cutlass.const_expr(nc == 2):
                     # one ring in tile order (tile t_begin + i in stage i % stages, phase
@@ -727,7 +755,10 @@ class MlaDecodeSwapAbKernel:
                             if t > t_begin:
                                 cute.arch.barrier(barrier_id=BAR_ORDER + cons,
                                                   number_of_threads=256)
-                        self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
+                        if cutlass.const_expr(self.qk_joint):
+                            self._fp8_qk_joint(qkj_mma, acc_S, acc_T, tSrK, tSrQ, kstage, fold)
+                        else:
+                            self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
                         vw_first = None
                         if cutlass.const_expr(self.pv_prefetch):
                             # PV's first V words, loaded now: their latency hides behind the
@@ -1009,18 +1040,31 @@ class MlaDecodeSwapAbKernel:
         return (t - t % 4) + (t // 2) % 2 + 2 * ((t % 2) ^ ((t // 2) % 2))
 
     @staticmethod
-    def q8_layout(hp: int):
+    def q8_layout(hp: int, joint: bool = False):
         """smem layout of Q_hi, Q_lo [hp, 576, 2] (e4m3, K-major): 8-row x 64-byte atoms with the
-        64-byte swizzle, stacked along the heads, then the 9 column blocks, then the two terms."""
+        64-byte swizzle, stacked along the heads, then the 9 column blocks, then the two terms.
+        joint (qk_joint): one operand [2 hp, 576], rows 0..hp-1 = Q_hi, hp..2 hp-1 = Q_lo: the
+        same atoms stacked along the 2 hp rows, then the 9 column blocks (same bytes)."""
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64,
                                                cutlass.Float8E4M3FN)
+        if joint:
+            return cute.tile_to_shape(atom, (2 * hp, D_QK), (0, 1))
         return cute.tile_to_shape(atom, (hp, D_QK, 2), (0, 1, 2))
 
     @staticmethod
-    def _q8_offset(hp: int, h, d):
-        """Byte offset of (head h, dim d, Q_hi) in q8_layout(hp) (Q_lo: + hp * 576); d % 8 == 0
-        keeps 8 bytes contiguous."""
-        return (d // 64) * (hp * 64) + h * 64 + ((d % 64) ^ (((h // 2) % 4) * 16))
+    def _q8_offset(hp: int, h, d, joint: bool = False):
+        """Byte offset of (head h, dim d, Q_hi) in q8_layout(hp, joint); Q_lo is _q8_lo(hp,
+        joint) bytes further. d % 8 == 0 keeps 8 bytes contiguous. joint: row h of the
+        [2 hp, 576] operand, 64-dim block d // 64 of 2 hp rows x 64 bytes."""
+        rows = 2 * hp if joint else hp
+        return (d // 64) * (rows * 64) + h * 64 + ((d % 64) ^ (((h // 2) % 4) * 16))
+
+    @staticmethod
+    def _q8_lo(hp: int, joint: bool = False):
+        """Byte distance of Q_lo from Q_hi (same head and dim) in q8_layout(hp, joint): the second
+        term (hp * 576), or joint hp rows further (hp * 64; hp is a multiple of 16, so the
+        swizzle phase (row // 2) % 4 is the same)."""
+        return hp * 64 if joint else hp * D_QK
 
     def _store_q_fp8(self, rq, tQc, s, q_base):
         """fp8 path: this thread's Q vectors rq (bf16, copy_q partition, coordinates tQc) ->
@@ -1039,8 +1083,8 @@ class MlaDecodeSwapAbKernel:
                     hi[w] = _prmt(pr[2 * w], pr[2 * w + 1], 0x5410)
                     lo[w] = _prmt(pr[2 * w], pr[2 * w + 1], 0x7632)
                 crd = tQc[0, m, c]
-                off = q_base + self._q8_offset(hp, crd[0], crd[1])
-                for dst, src in ((off, hi), (off + hp * D_QK, lo)):
+                off = q_base + self._q8_offset(hp, crd[0], crd[1], self.qk_joint)
+                for dst, src in ((off, hi), (off + self._q8_lo(hp, self.qk_joint), lo)):
                     ptr = cute.make_ptr(Int32, dst, cute.AddressSpace.smem, assumed_align=8)
                     cute.autovec_copy(src, cute.make_tensor(ptr, cute.make_layout((2,))))
 
@@ -1085,6 +1129,65 @@ class MlaDecodeSwapAbKernel:
         warpgroup.wait_group(0)
         if self.qk_promote:
             acc_S.store(acc_S.load() + acc_T[(QK_CHUNKS - 2) % 2].load())
+
+    @staticmethod
+    def joint_qk_mma(hp: int):
+        """The S^T MMA of qk_joint: e4m3 x e4m3 -> fp32, both K-major, 64 x 2 hp tiles."""
+        e4m3 = cutlass.Float8E4M3FN
+        return sm90_utils.make_trivial_tiled_mma(
+            e4m3, e4m3, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+            (1, 1, 1), (TILE_N, 2 * hp))
+
+    @staticmethod
+    def _joint_fold_map(qk_mma, qkj_mma, hp):
+        """qk_joint, at trace time: for element i of the S^T C fragment (qk_mma, 64 x hp) the
+        elements (hi, lo) of the joint C fragment (qkj_mma, 64 x 2 hp) at the same token and head
+        n (K Q_hi^T) and n + hp (K Q_lo^T). Checked for all 128 threads, not assumed: both in the
+        same thread, at the same fragment indices in every thread (thread-independent moves)."""
+        cS = cute.make_identity_tensor((TILE_N, hp))
+        cJ = cute.make_identity_tensor((TILE_N, 2 * hp))
+        fold = None
+        for tid in range(128):
+            s_c = qk_mma.get_slice(tid).partition_C(cS)
+            j_c = qkj_mma.get_slice(tid).partition_C(cJ)
+            assert cute.size(j_c) == 2 * cute.size(s_c), (cute.size(j_c), cute.size(s_c))
+            where = {(int(j_c[i][0]), int(j_c[i][1])): i for i in range(cute.size(j_c))}
+            f = []
+            for i in range(cute.size(s_c)):
+                m, n = int(s_c[i][0]), int(s_c[i][1])
+                assert (m, n) in where and (m, n + hp) in where, (tid, i, m, n)
+                f.append((where[(m, n)], where[(m, n + hp)]))
+            assert fold is None or f == fold, (tid, f, fold)
+            fold = f
+        assert sorted(sum(map(list, fold), [])) == list(range(2 * len(fold))), fold
+        return fold
+
+    def _fp8_qk_joint(self, qkj_mma, acc_S, acc_T, tSrK, tSrQ, kstage, fold):
+        """qk_joint: S^T = K (Q_hi + Q_lo)^T as 18 e4m3 wgmma m64n(2 hp)k32 with B = [Q_hi ; Q_lo]:
+        9 chunks of 64 dims (k-steps 2 c, 2 c + 1) into the zeroed 64 x 2 hp accumulator
+        acc_T[c % 2]; once chunk c has retired (while chunk c + 1 runs) S^T[:, n] (+)=
+        T[:, n] + T[:, n + hp] in fp32 (fold: _joint_fold_map; chunk 0 assigns). The same
+        64-dim promotion as _fp8_qk. Every wgmma has retired on return."""
+        def add(c):
+            T = acc_T[c % 2]
+            for i in range(len(fold)):
+                hi, lo = fold[i]
+                v = T[hi] + T[lo]
+                acc_S[i] = v if c == 0 else acc_S[i] + v
+
+        for c in range(QK_CHUNKS):
+            dst = acc_T[c % 2]
+            warpgroup.fence()
+            for j in range(2):
+                qkj_mma.set(warpgroup.Field.ACCUMULATE, j != 0)
+                cute.gemm(qkj_mma, dst, tSrK[None, None, 2 * c + j, kstage],
+                          tSrQ[None, None, 2 * c + j], dst)
+            warpgroup.commit_group()
+            if c >= 1:
+                warpgroup.wait_group(1)           # chunk c - 1 retired
+                add(c - 1)
+        warpgroup.wait_group(0)
+        add(QK_CHUNKS - 1)
 
     @staticmethod
     def _fp8_v_words(vbase, ks):

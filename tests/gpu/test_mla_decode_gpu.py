@@ -202,6 +202,25 @@ def test_swapab_fp8_epilogue_and_pv(consumers, num_splits, H, monkeypatch):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("joint", ["1", "0"])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
+@pytest.mark.parametrize("consumers", ["2", "1"])
+def test_swapab_fp8_qk_joint(consumers, num_splits, joint, monkeypatch):
+    """fp8 S^T at h_pad 16 with and without the joint [Q_hi ; Q_lo] operand (one e4m3 wgmma
+    m64n32k32 per k-step, chunks folded into S^T): H = 12, H = 10 (rows 10..15 zero) and
+    H = 32 as two head groups of 16, one / two consumers, partial tiles, forced splits."""
+    from pdserve.kernels.mla_decode.cutedsl import kernel_config
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QK_JOINT", joint)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
+    assert kernel_config(True, 16, PAGE, core="swapab").qk_joint == (joint == "1")
+    assert not kernel_config(True, 32, PAGE, core="swapab").qk_joint    # h_pad 32: never
+    check(CANDIDATE_LENS, 12, True, num_splits=num_splits, core="swapab", head_groups=1)
+    check([1, 65, 3000], 10, True, num_splits=num_splits, core="swapab", head_groups=1)
+    check([129, 8192 + 17], 32, True, num_splits=num_splits, core="swapab", early_kv=True,
+          head_groups=2)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("core", CORES)
 def test_cuda_graph_replay_matches_eager(core):
     from functools import partial
