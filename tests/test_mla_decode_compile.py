@@ -145,13 +145,24 @@ def _wgmma_sw64_kmajor(start, r, kk):
     return a ^ (((a >> 7) & 3) << 4)
 
 
-def _fp8_s_operand_starts(hp):
+def _fp8_s_operand_starts(hp, joint=False):
     """Start byte offsets of the S^T wgmma operands per k-step k (0..17), as the kernel's PTX has
     them (checked in test_swapab_fp8_core_compiles): A (the stage's K tile) (k // 2) * 4096 +
-    (k % 2) * 32; B term t (Q_hi 0, Q_lo 1) t * hp * 576 + (k // 2) * hp * 64 + (k % 2) * 32."""
+    (k % 2) * 32; B term t (Q_hi 0, Q_lo 1) t * hp * 576 + (k // 2) * hp * 64 + (k % 2) * 32;
+    joint (qk_joint): one B operand [Q_hi ; Q_lo] of 2 hp rows, (k // 2) * 2 hp * 64 +
+    (k % 2) * 32."""
     a = [(k // 2) * 4096 + (k % 2) * 32 for k in range(18)]
+    if joint:
+        return a, [[(k // 2) * 2 * hp * 64 + (k % 2) * 32 for k in range(18)]]
     b = [[t * hp * 576 + (k // 2) * hp * 64 + (k % 2) * 32 for k in range(18)] for t in range(2)]
     return a, b
+
+
+def _fp8_qk_wgmma(h_pad, joint):
+    """(PTX instruction, count per tile) of the fp8 S^T: 36 m64n(h_pad)k32, or (joint) 18 of
+    N = 2 h_pad."""
+    n = 2 * h_pad if joint else h_pad
+    return f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3", 18 if joint else 36
 
 
 @pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
@@ -161,6 +172,7 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     wgmma, A = V^T widened in registers from the raw bytes; no spill."""
     k = mc.kernel_config(True, h_pad, page_tokens, core="swapab")
     assert k.consumers == 2 and k.num_threads == 384
+    assert k.qk_joint == (h_pad == 16)               # the joint S^T: the default at h_pad 16
     assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
     assert k.smem_bytes <= mc.SMEM_LIMIT and k.tma_bytes == 64 * 576
     # the merge (consumer 1's O^T fragments + per-head max / sum) fits in the ring
@@ -168,11 +180,13 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     fn = mc.compile_main(True, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
     ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert ".target sm_90a" in ptx
-    # per tile: S^T 18 k-steps x (Q_hi, Q_lo) e4m3 wgmma k32; O^T 8 M blocks x 4 k-steps fp16,
-    # written twice (the last tile's copy zeroes V words past the end, the other does not)
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    # per tile: S^T 18 k-steps x (Q_hi, Q_lo) e4m3 wgmma k32 (joint: 18 of N = 2 h_pad); O^T 8 M
+    # blocks x 4 k-steps fp16, written twice (the last tile's copy zeroes V words past the end,
+    # the other does not)
+    qk_op, n_qk = _fp8_qk_wgmma(h_pad, k.qk_joint)
+    assert ptx.count(qk_op) == n_qk
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k16.f32.f16.f16") == 2 * 8 * 4
-    assert ptx.count("wgmma.mma_async.sync.aligned.") == 36 + 2 * 8 * 4
+    assert ptx.count("wgmma.mma_async.sync.aligned.") == n_qk + 2 * 8 * 4
     # S^T in 9 chunks of 4 (qk_promote), O^T in groups of pv_group blocks: one fence / commit each
     assert ptx.count("wgmma.fence.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
     assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
@@ -191,8 +205,8 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     # the S^T operand descriptors: SW64_DESC's fields; B starts (_fp8_s_operand_starts) as
     # 64-bit constants DESC + start / 16; A starts as 32-bit adds to the stage's start field
     assert str(_signed64(SW64_DESC)) in ptx
-    a_st, b_st = _fp8_s_operand_starts(h_pad)
-    for t in range(2):
+    a_st, b_st = _fp8_s_operand_starts(h_pad, k.qk_joint)
+    for t in range(len(b_st)):
         for kk in range(18):
             if (t, kk) != (0, 0):
                 assert str(_signed64(SW64_DESC + b_st[t][kk] // 16)) in ptx, (t, kk)
@@ -256,7 +270,8 @@ def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
     assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
                                   + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]
                                   + [("sync", "%r, 256"), ("arrive", "%r, 256")]), bars
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    qk_op, n_qk = _fp8_qk_wgmma(h_pad, k.qk_joint)
+    assert ptx.count(qk_op) == n_qk
     res = cubin_resources(fn.artifacts.CUBIN)
     assert res["stack"] == 0, "register spills"
     assert res["regs"] <= 65536 // 384, res
@@ -288,7 +303,8 @@ def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     assert "st.global.b16" not in stores                 # no scalar bf16 output stores left
     # what is left scalar: the LSE (final / partial) and the empty split's LSE
     assert stores.count("st.global.b32") <= 2 * n_cols + 1, stores
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 36
+    qk_op, n_qk = _fp8_qk_wgmma(h_pad, k.qk_joint)
+    assert ptx.count(qk_op) == n_qk
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k16.f32.f16.f16") == 2 * 8 * 4
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
     assert waits.count(str(k.pv_in_flight - 1)) >= 4 * 8 // k.pv_group - 1, waits
@@ -379,8 +395,26 @@ def _swapab_fp8_fragment_check(out):
             for d in range(576):
                 for t in range(2):
                     assert cute.crd2idx((h, d, t), ql) == t * hp * 576 + K._q8_offset(hp, h, d)
-    # 2. S^T operands as the wgmma reads them: A (the K tile), B (Q_hi, Q_lo)
+    # the joint operand (qk_joint, h_pad 16): row h = Q_hi of head h, row hp + h = its Q_lo
+    for hp in (16, 32):
+        ql = K.q8_layout(hp, True)
+        assert cute.cosize(ql) == 2 * hp * 576
+        for h in range(hp):
+            for d in range(576):
+                for t in range(2):
+                    assert cute.crd2idx((t * hp + h, d), ql) == \
+                        K._q8_offset(hp, h, d, True) + t * K._q8_lo(hp, True)
+    # 2. S^T operands as the wgmma reads them: A (the K tile), B (Q_hi, Q_lo; joint: both rows)
     n_s = 0
+    for hp in (16, 32):
+        _, (bj,) = _fp8_s_operand_starts(hp, True)
+        for k in range(18):
+            for kk in range(32):
+                for n in range(2 * hp):
+                    assert _wgmma_sw64_kmajor(bj[k], n, kk) == \
+                        K._q8_offset(hp, n % hp, 32 * k + kk, True) + \
+                        (n // hp) * K._q8_lo(hp, True), (hp, n, k, kk)
+                    n_s += 1
     for hp in (16, 32):
         a_st, b_st = _fp8_s_operand_starts(hp)
         for k in range(18):
@@ -484,7 +518,8 @@ def test_swapab_fp8_fragment_layouts():
         _swapab_fp8_fragment_check(out)
 
     run()
-    assert out["checked"] == (18 * 32 * (64 + 2 * 16 + 2 * 32), 128 * 8 * 32)
+    # S^T: A rows, B rows of both terms at h_pad 16 and 32, and the joint B rows at both
+    assert out["checked"] == (18 * 32 * (64 + 2 * (2 * 16 + 2 * 32)), 128 * 8 * 32)
 
 
 def _s_error(K, q, S):
@@ -717,3 +752,21 @@ def test_check_inputs_names_the_problem():
     for msg, a in bad.items():
         with pytest.raises(ValueError, match=msg):
             mc.check_inputs(**a)
+
+
+def test_swapab_fp8_qk_joint_override(monkeypatch, tmp_path):
+    """The joint S^T is the default at h_pad 16 only; PDSERVE_MLA_SWAPAB_QK_JOINT=0 (A/B runs)
+    restores the two-term form there (36 wgmma of N = 16, no spill); other values are refused."""
+    assert mc.kernel_config(True, 16, 64, core="swapab").qk_joint
+    assert not mc.kernel_config(True, 32, 64, core="swapab").qk_joint
+    assert not mc.kernel_config(False, 16, 64, core="swapab").qk_joint
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QK_JOINT", "0")
+    k = mc.kernel_config(True, 16, 64, core="swapab")
+    assert not k.qk_joint
+    fn = mc.compile_main(True, 16, 64, core="swapab", dump_dir=str(tmp_path))
+    qk_op, n_qk = _fp8_qk_wgmma(16, False)
+    assert fn.artifacts.PTX.count(qk_op) == n_qk
+    assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QK_JOINT", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_QK_JOINT"):
+        mc.kernel_config(True, 16, 64, core="swapab")

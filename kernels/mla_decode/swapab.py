@@ -65,7 +65,8 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     of s: 1 / s (exact) is folded into the softmax scale (scale_s = scale_log2 / s, also used
     for the LSE). `q_split_e4m3_reference` is the torch mirror the CPU numerics test uses: the
     split alone is ~1000x below bf16 rounding for a bf16 q, and below it for an fp32 q.
-  * S^T = K (Q_hi + Q_lo)^T: 36 native e4m3 wgmma m64nNk32 (fp32 accumulate), A = the stage in
+  * S^T = K (Q_hi + Q_lo)^T (h_pad 32; h_pad 16: the joint form below): 36 native e4m3 wgmma
+    m64nNk32 (fp32 accumulate), A = the stage in
     smem (descriptor: 64-byte swizzle, SBO 512 B; k-step k starts at (k // 2) 4096 + (k % 2) 32
     bytes), B = Q_hi / Q_lo in smem (term t, k-step k at t h_pad 576 + (k // 2) 64 h_pad +
     (k % 2) 32). No K conversion. The fp8 wgmma accumulator is reported to keep only ~13-14
@@ -74,6 +75,11 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     S^T, chunk c >= 1 into a zeroed accumulator (two alternate, h_pad / 2 registers each) that is
     added to S^T with FADDs once retired, while chunk c + 1 runs. All of S^T's wgmmas have
     retired before the softmax (and so before the stage's release). S^T row m is token m.
+  * h_pad 16 (qk_joint, the default there): B = [Q_hi ; Q_lo] as one [2 h_pad, 576] operand
+    (q8_layout(hp, joint): the same atoms stacked along the 2 h_pad rows, then the 9 column
+    blocks; k-step k at (k // 2) 128 h_pad + (k % 2) 32), 18 e4m3 wgmma m64n32k32 in the same
+    9 chunks, each chunk's [K Q_hi^T, K Q_lo^T] folded into S^T (column n + column n + h_pad,
+    _joint_fold_map) once retired. Each K tile is read from smem once per k-step, not twice.
   * P^T fp16 in smem: S^T row (token) m goes to k position row_token_inv(m), the order PV's V^T
     fragments use (the thread writes through the C partition of the thread whose rows are
     row_token_inv of its own: row_token only permutes bits 0-1 of the row = of lane // 4).
@@ -380,14 +386,19 @@ class MlaDecodeSwapAbKernel:
         self.qk_promote = True
         # fp8 S^T at h_pad 16 as one e4m3 wgmma m64n32k32 per k-step with B = [Q_hi ; Q_lo]
         # (`_fp8_qk_joint`): each K tile is read from smem once per k-step instead of twice.
-        # PDSERVE_MLA_SWAPAB_QK_JOINT=0|1 overrides (A/B runs). Not at h_pad 32: its two
-        # 64 x 64 chunk accumulators next to O^T spill, and with one the results were wrong
-        # (branch mla-qk-joint)
+        # The default at h_pad 16 since session 14 (H200, interleaved A/B, us off / on: fp8
+        # H=12 B=64 L=128K 1331 / 1214-1226, B=8 L=32K 46.1-46.7 / 45.2-45.4, H=32 B=1 L=8K
+        # 10.08-10.21 / 9.87-9.88, B=8 L=8K 27.8-28.1 / 25.3-25.4; results/
+        # mla_decode_h200_ring_joint_session14.json). Its intermittent launch failures of session
+        # 10 were the odd ring's race (see `stages`), which it made likelier: with the even ring
+        # none in 16,000 calls of the shape that had failed. PDSERVE_MLA_SWAPAB_QK_JOINT=0|1
+        # overrides (A/B runs). Not at h_pad 32: its two 64 x 64 chunk accumulators next to O^T
+        # spill, and with one the results were wrong (session 10)
         if qk_joint is None:
             env = os.environ.get("PDSERVE_MLA_SWAPAB_QK_JOINT", "")
             if env not in ("", "0", "1"):
                 raise ValueError(f"PDSERVE_MLA_SWAPAB_QK_JOINT={env!r}: 0 or 1")
-            qk_joint = env == "1"
+            qk_joint = env != "0"
         self.qk_joint = bool(qk_joint) and self.kv_fp8 and h_pad == 16
         # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
