@@ -26,12 +26,14 @@ Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 
 the sigmoid output gate.
 
 Status on the H200 (figures of record: benchmarks/results/
-mla_decode_h200_auto_early_kv_session13.json, commit 41dbde5, early_kv; 288 MLA GPU tests passed
+mla_decode_h200_auto_early_kv_session14.json, commit 85d38d5, early_kv; 314 GPU tests passed
 on that machine; what each session tried: docs/kernel_history.md): fraction of the copy floor
-where B x L >= 256K: bf16 0.94-1.05 (H = 12), 0.88-1.04 (H = 32); fp8 0.765-0.99 (H = 12),
-0.61-0.70 (H = 32; 0.64-0.77 on session 12's machine, same code). B = 1, L = 8K: bf16 7.2 / 9.9
-us, fp8 8.8 / 10.1 (H = 12 / 32; session 13's choose_combine shapes for >= 32 splits took them
-from 8.2 / 10.7 and 9.1 / 10.3). The session-8 figures below are the earlier record.
+where B x L >= 256K: bf16 0.94-1.05 (H = 12), 0.88-1.03 (H = 32); fp8 0.77-0.98 (H = 12),
+0.63-0.74 (H = 32; these cells run at h_pad 32, unchanged since session 12, and move by up to
+15 % between machines). B = 1, L = 8K: bf16 7.3 / 10.0 us, fp8 8.6 / 10.0 (H = 12 / 32; fp8
+H = 32 9.87-10.02 over three machines, session 13: 10.1). Session 14 made the fp8 two-consumer
+ring even (swapab.py: an odd one let a consumer read a stage before its TMA landed) and the
+joint S^T the default at h_pad 16. The session-8 figures below are the earlier record.
 
 Status on the H200 (2026-11-30, session 8, commit 8d739a4; CUDA-graph medians, >= 16 calls
 per graph; benchmarks/results/mla_decode_h200_auto.json and _auto_early_kv.json):

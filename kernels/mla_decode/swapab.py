@@ -387,11 +387,11 @@ class MlaDecodeSwapAbKernel:
         # fp8 S^T at h_pad 16 as one e4m3 wgmma m64n32k32 per k-step with B = [Q_hi ; Q_lo]
         # (`_fp8_qk_joint`): each K tile is read from smem once per k-step instead of twice.
         # The default at h_pad 16 since session 14 (H200, interleaved A/B, us off / on: fp8
-        # H=12 B=64 L=128K 1331 / 1214-1226, B=8 L=32K 46.1-46.7 / 45.2-45.4, H=32 B=1 L=8K
-        # 10.08-10.21 / 9.87-9.88, B=8 L=8K 27.8-28.1 / 25.3-25.4; results/
+        # H=12 B=64 L=128K 1327-1331 / 1214-1226, B=8 L=32K 46.1-46.7 / 45.2-45.4, H=32 B=1
+        # L=8K 10.08-10.21 / 9.87-9.88, B=8 L=8K 27.8-28.1 / 25.3-25.4; results/
         # mla_decode_h200_ring_joint_session14.json). Its intermittent launch failures of session
         # 10 were the odd ring's race (see `stages`), which it made likelier: with the even ring
-        # none in 16,000 calls of the shape that had failed. PDSERVE_MLA_SWAPAB_QK_JOINT=0|1
+        # none in 40,000 calls of the shape that had failed (two machines). PDSERVE_MLA_SWAPAB_QK_JOINT=0|1
         # overrides (A/B runs). Not at h_pad 32: its two 64 x 64 chunk accumulators next to O^T
         # spill, and with one the results were wrong (session 10)
         if qk_joint is None:
