@@ -123,7 +123,8 @@ def test_swapab_core_refuses_bad_h_pad():
 
 # swapab fp8, two consumer warpgroups (ping-pong, the default): (h_pad) -> (stages, smem bytes
 # as kernel_config reports them); one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1): SWAPAB_FP8_ONE
-SWAPAB_FP8 = {16: (4, 175616), 32: (4, 199680)}     # two consumers: an even ring (test_mla_ring_protocol)
+# (two consumers: an even ring, tests/test_mla_ring_protocol.py)
+SWAPAB_FP8 = {16: (4, 175616), 32: (4, 199680)}
 SWAPAB_FP8_ONE = {16: (5, 209664), 32: (5, 230912)}
 # the wgmma shared-memory descriptor bits (above the start address) of every fp8 S^T operand, as
 # the library encodes them for raw_layout / q8_layout: 64-byte swizzle (bits 62-63 = 2), stride

@@ -66,15 +66,15 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     for the LSE). `q_split_e4m3_reference` is the torch mirror the CPU numerics test uses: the
     split alone is ~1000x below bf16 rounding for a bf16 q, and below it for an fp32 q.
   * S^T = K (Q_hi + Q_lo)^T (h_pad 32; h_pad 16: the joint form below): 36 native e4m3 wgmma
-    m64nNk32 (fp32 accumulate), A = the stage in
-    smem (descriptor: 64-byte swizzle, SBO 512 B; k-step k starts at (k // 2) 4096 + (k % 2) 32
-    bytes), B = Q_hi / Q_lo in smem (term t, k-step k at t h_pad 576 + (k // 2) 64 h_pad +
-    (k % 2) 32). No K conversion. The fp8 wgmma accumulator is reported to keep only ~13-14
-    mantissa bits (DeepSeek-V3 report; SageAttention2: "FP22"), so with qk_promote (default) the
-    36 wgmmas run as 9 chunks of 4 (k-steps 2 c, 2 c + 1 with Q_hi, then Q_lo), chunk 0 into
-    S^T, chunk c >= 1 into a zeroed accumulator (two alternate, h_pad / 2 registers each) that is
-    added to S^T with FADDs once retired, while chunk c + 1 runs. All of S^T's wgmmas have
-    retired before the softmax (and so before the stage's release). S^T row m is token m.
+    m64nNk32 (fp32 accumulate), A = the stage in smem (descriptor: 64-byte swizzle, SBO 512 B;
+    k-step k starts at (k // 2) 4096 + (k % 2) 32 bytes), B = Q_hi / Q_lo in smem (term t, k-step
+    k at t h_pad 576 + (k // 2) 64 h_pad + (k % 2) 32). No K conversion. The fp8 wgmma accumulator
+    is reported to keep only ~13-14 mantissa bits (DeepSeek-V3 report; SageAttention2: "FP22"), so
+    with qk_promote (default) the 36 wgmmas run as 9 chunks of 4 (k-steps 2 c, 2 c + 1 with Q_hi,
+    then Q_lo), chunk 0 into S^T, chunk c >= 1 into a zeroed accumulator (two alternate, h_pad / 2
+    registers each) that is added to S^T with FADDs once retired, while chunk c + 1 runs. All of
+    S^T's wgmmas have retired before the softmax (and so before the stage's release). S^T row m is
+    token m.
   * h_pad 16 (qk_joint, the default there): B = [Q_hi ; Q_lo] as one [2 h_pad, 576] operand
     (q8_layout(hp, joint): the same atoms stacked along the 2 h_pad rows, then the 9 column
     blocks; k-step k at (k // 2) 128 h_pad + (k % 2) 32), 18 e4m3 wgmma m64n32k32 in the same
@@ -314,8 +314,7 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None,
-                 qk_joint: bool | None = None):
+                 head_groups: int = 1, consumers: int | None = None):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -391,15 +390,13 @@ class MlaDecodeSwapAbKernel:
         # L=8K 10.08-10.21 / 9.87-9.88, B=8 L=8K 27.8-28.1 / 25.3-25.4; results/
         # mla_decode_h200_ring_joint_session14.json). Its intermittent launch failures of session
         # 10 were the odd ring's race (see `stages`), which it made likelier: with the even ring
-        # none in 40,000 calls of the shape that had failed (two machines). PDSERVE_MLA_SWAPAB_QK_JOINT=0|1
-        # overrides (A/B runs). Not at h_pad 32: its two 64 x 64 chunk accumulators next to O^T
-        # spill, and with one the results were wrong (session 10)
-        if qk_joint is None:
-            env = os.environ.get("PDSERVE_MLA_SWAPAB_QK_JOINT", "")
-            if env not in ("", "0", "1"):
-                raise ValueError(f"PDSERVE_MLA_SWAPAB_QK_JOINT={env!r}: 0 or 1")
-            qk_joint = env != "0"
-        self.qk_joint = bool(qk_joint) and self.kv_fp8 and h_pad == 16
+        # none in 40,000 calls of the shape that had failed (two machines).
+        # PDSERVE_MLA_SWAPAB_QK_JOINT=0|1 overrides (A/B runs). Not at h_pad 32: its two 64 x 64
+        # chunk accumulators next to O^T spill, and with one the results were wrong (session 10)
+        env = os.environ.get("PDSERVE_MLA_SWAPAB_QK_JOINT", "")
+        if env not in ("", "0", "1"):
+            raise ValueError(f"PDSERVE_MLA_SWAPAB_QK_JOINT={env!r}: 0 or 1")
+        self.qk_joint = env != "0" and self.kv_fp8 and h_pad == 16
         # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
         self.pv_group, self.pv_in_flight = (4, 2) if h_pad == 16 else (2, 3)
