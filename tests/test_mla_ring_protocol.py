@@ -6,7 +6,8 @@ full barrier completes one phase when the tile's TMA lands; consumer c takes til
 and waits with mbarrier try_wait.parity((i // S) % 2), which passes once the barrier's current
 phase parity differs from that value -- so it also passes, at once, while the barrier is still in
 the phase *before* the awaited one (PTX: the parity names the current or the immediately
-preceding phase). The producer refills stage s with tile i + S only after tile i's release.
+preceding phase). The producer issues the tiles in order and refills stage s with tile i + S only
+after tile i's release.
 
 The model explores every interleaving of TMA landings (in any order) and consumer waits, and
 reports whether some consumer can pass a wait before its tile landed ("stale"). An odd ring with
@@ -27,7 +28,12 @@ def stale_wait_possible(stages: int, consumers: int, tiles: int | None = None) -
 
     @functools.lru_cache(maxsize=None)
     def search(landed: frozenset, released: frozenset, nxt: tuple) -> bool:
-        issued = [i for i in range(n) if i < stages or (i - stages) in released]
+        # the producer issues in tile order, each tile once its stage's previous tile is released
+        issued = []
+        for i in range(n):
+            if i >= stages and (i - stages) not in released:
+                break
+            issued.append(i)
         for c, j in enumerate(nxt):
             if j >= n:
                 continue
