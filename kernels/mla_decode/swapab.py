@@ -393,10 +393,8 @@ class MlaDecodeSwapAbKernel:
         # none in 40,000 calls of the shape that had failed (two machines).
         # PDSERVE_MLA_SWAPAB_QK_JOINT=0|1 overrides (A/B runs). Not at h_pad 32: its two 64 x 64
         # chunk accumulators next to O^T spill, and with one the results were wrong (session 10)
-        env = os.environ.get("PDSERVE_MLA_SWAPAB_QK_JOINT", "")
-        if env not in ("", "0", "1"):
-            raise ValueError(f"PDSERVE_MLA_SWAPAB_QK_JOINT={env!r}: 0 or 1")
-        self.qk_joint = env != "0" and self.kv_fp8 and h_pad == 16
+        self.qk_joint = (env_choice("PDSERVE_MLA_SWAPAB_QK_JOINT", ("0", "1")) != "0"
+                         and self.kv_fp8 and h_pad == 16)
         # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
         self.pv_group, self.pv_in_flight = (4, 2) if h_pad == 16 else (2, 3)
