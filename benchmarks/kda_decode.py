@@ -157,28 +157,30 @@ class Cell:
         return [self.slot_sets[i % self.n_sets] for i in range(self.n_calls)]
 
 
-def ours_calls(cell, cluster=None, pdl=False, min_blocks=0, early_rows=None):
+def ours_calls(cell, cluster=None, pdl=False, min_blocks=0, early_rows=None, first_wave=None):
     from pdserve.kernels.kda_decode import cutedsl
     return [lambda s=s: cutedsl.launch(**cell.args(s), cluster=cluster, pdl=pdl,
-                                       min_blocks=min_blocks, early_rows=early_rows)
+                                       min_blocks=min_blocks, early_rows=early_rows,
+                                       first_wave=first_wave)
             for s in cell.sets()]
 
 
 def parse_variant(name):
     """'c<C>' (a fixed cluster size C), 'e<R>' (R state row passes loaded before the PDL wait,
-    `early_rows`; PDL only) or both, 'c<C>e<R>' -> launch keywords."""
+    `early_rows`; PDL only), 'w<N>' (the first N CTAs load every pass before the wait,
+    `first_wave`; PDL only), in that order, any of them, e.g. 'c1e2w0' -> launch keywords."""
     from pdserve.kernels.kda_decode import cutedsl
-    m = re.fullmatch(r"(?:c(\d+))?(?:e(\d+))?", name)
+    m = re.fullmatch(r"(?:c(\d+))?(?:e(\d+))?(?:w(\d+))?", name)
     kw = {}
     if m:
-        if m.group(1) is not None:
-            kw["cluster"] = int(m.group(1))
-        if m.group(2) is not None:
-            kw["early_rows"] = int(m.group(2))
+        for key, group in (("cluster", 1), ("early_rows", 2), ("first_wave", 3)):
+            if m.group(group) is not None:
+                kw[key] = int(m.group(group))
     if (not kw or kw.get("cluster", 1) not in cutedsl.CLUSTER_SIZES
             or not 0 <= kw.get("early_rows", 0) <= cutedsl.MAX_EARLY_ROWS):
-        raise ValueError(f"variant {name!r}: expected c<C>, e<R> or c<C>e<R> with C in "
-                         f"{cutedsl.CLUSTER_SIZES} and R in 0..{cutedsl.MAX_EARLY_ROWS}")
+        raise ValueError(f"variant {name!r}: expected c<C>, e<R>, w<N> or a combination in "
+                         f"that order (c1e2w0), with C in {cutedsl.CLUSTER_SIZES}, R in "
+                         f"0..{cutedsl.MAX_EARLY_ROWS} and N >= 0")
     return kw
 
 
@@ -252,7 +254,8 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="*", default=[],
                     help="also time these kernel variants plain and with PDL and tabulate them "
                          "beside the default, e.g. c1 c2 c4 c8, e0 e2 e8 (state row passes "
-                         "before the PDL wait), c1e4 (see parse_variant)")
+                         "before the PDL wait), w0 w132 (CTAs that load every pass before it), "
+                         "c1e4w0 (see parse_variant)")
     ap.add_argument("--no-stock", action="store_true", help="skip fla-core / torch stock timings")
     args = ap.parse_args(argv)
     variants = {name: parse_variant(name) for name in args.variants}   # fail before any timing

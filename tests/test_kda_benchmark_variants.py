@@ -12,12 +12,14 @@ import kda_decode as bench  # noqa: E402
 @pytest.mark.parametrize("name,kw", [
     ("c1", {"cluster": 1}), ("c8", {"cluster": 8}), ("e0", {"early_rows": 0}),
     ("e8", {"early_rows": 8}), ("c2e4", {"cluster": 2, "early_rows": 4}),
+    ("w0", {"first_wave": 0}), ("e2w132", {"early_rows": 2, "first_wave": 132}),
+    ("c1e2w66", {"cluster": 1, "early_rows": 2, "first_wave": 66}),
 ])
 def test_variant_names(name, kw):
     assert bench.parse_variant(name) == kw
 
 
-@pytest.mark.parametrize("name", ["", "c3", "e9", "x1", "c1e", "e2c1", "c16"])
+@pytest.mark.parametrize("name", ["", "c3", "e9", "x1", "c1e", "e2c1", "c16", "w", "w1e2", "w-1"])
 def test_bad_variant_names_are_refused(name):
     with pytest.raises(ValueError, match="variant"):
         bench.parse_variant(name)

@@ -121,7 +121,8 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
 
 def kda_decode_cutedsl(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight,
                        eps, lower_bound, state_pool, conv_pool, slot_idx, conv_layout="SD",
-                       out=None, cluster: int | None = None, pdl: bool = False):
+                       out=None, cluster: int | None = None, pdl: bool = False,
+                       first_wave: int | None = None):
     """The CuTe DSL kernel (call through the registry, or validate with `cutedsl_guard`).
 
     cluster: CTAs per (request, head), 1/2/4/8 (default: `cutedsl.choose_cluster`).
@@ -129,13 +130,17 @@ def kda_decode_cutedsl(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias,
     and the parameters *before* `griddepcontrol.wait`, i.e. possibly while the previous kernel in
     the stream still runs: that kernel must not write them (it may write the q/k/v/g_out/f/beta
     rows, which are read after the wait). Kernels further back are complete by then, because the
-    kernel triggers its dependents only after its own wait."""
+    kernel triggers its dependents only after its own wait.
+    first_wave: with PDL on grids that load part of the state after the wait, how many CTAs (in
+    launch order) still load all of it before (default: `cutedsl.choose_first_wave`, one per
+    SM). Timing only: every value gives the same results bit for bit."""
     from . import cutedsl
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     return cutedsl.launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias,
                           norm_weight, float(eps), lower_bound, state_pool, conv_pool,
-                          slot_idx, conv_layout, out, cluster=cluster, pdl=pdl)
+                          slot_idx, conv_layout, out, cluster=cluster, pdl=pdl,
+                          first_wave=first_wave)
 
 
 RUNTIME_PDL = os.environ.get("PDSERVE_KDA_PDL", "1") != "0"

@@ -39,6 +39,7 @@ docs/kernel_history.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any
@@ -95,14 +96,14 @@ class KdaDecodeSm90:
         beta: cute.Pointer, conv_w: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
         norm_w: cute.Pointer, state: cute.Pointer, conv: cute.Pointer, slots: cute.Pointer,
         out: cute.Pointer,
-        B: Int32, H: Int32, n_slots: Int32,
+        B: Int32, H: Int32, n_slots: Int32, first_wave: Int32,
         sq: Int32, sk: Int32, sv: Int32, sg: Int32, sf: Int32, sb: Int32, so: Int32,
         eps: Float32, lower_bound: Float32,
         stream,
     ):
         self.kernel(
             q, k, v, gate, f, beta, conv_w, a_log, dt_bias, norm_w, state, conv, slots, out,
-            B, H, n_slots, sq, sk, sv, sg, sf, sb, so, eps, lower_bound,
+            B, H, n_slots, first_wave, sq, sk, sv, sg, sf, sb, so, eps, lower_bound,
         ).launch(
             grid=[self.C, H, B], block=[THREADS, 1, 1], cluster=[self.C, 1, 1],
             stream=stream, use_pdl=self.pdl, **self._occupancy(),
@@ -133,7 +134,7 @@ class KdaDecodeSm90:
         beta: cute.Pointer, conv_w: cute.Pointer, a_log: cute.Pointer, dt_bias: cute.Pointer,
         norm_w: cute.Pointer, state: cute.Pointer, conv: cute.Pointer, slots: cute.Pointer,
         out: cute.Pointer,
-        B: Int32, H: Int32, n_slots: Int32,
+        B: Int32, H: Int32, n_slots: Int32, first_wave: Int32,
         sq: Int32, sk: Int32, sv: Int32, sg: Int32, sf: Int32, sb: Int32, so: Int32,
         eps: Float32, lower_bound: Float32,
     ):
@@ -184,6 +185,11 @@ class KdaDecodeSm90:
                 cute.make_layout((D, D), stride=(D, 1)))
             rS = cute.make_rmem_tensor(cute.make_layout((4, 2, RPT), stride=(1, 4, 8)), Float32)
             KdaDecodeSm90._load_rows(mS, rS, row0, rgrp, lane, 0, self.early_rows)
+            if cutlass.const_expr(self.early_rows < RPT):
+                # the grid's first `first_wave` CTAs (launch order) load every pass early: they
+                # are the ones that become resident while the previous grid drains
+                if (b * H + h) * C + cr < first_wave:
+                    KdaDecodeSm90._load_rows(mS, rS, row0, rgrp, lane, self.early_rows, RPT)
 
             # ---- 2. every other global load, all issued before any use (one DRAM round trip) ---
             # threads 0..127: q channel `ch` and the decay of key `ch`; threads 128..255: k
@@ -228,7 +234,9 @@ class KdaDecodeSm90:
             braw = cute.make_tensor(beta, cute.make_layout((B, H), stride=(sb, 1)))[b, h]
             vx = cute.make_tensor(v, cute.make_layout((B, HD), stride=(sv, 1)))[b, h * D + vr]
             gr = cute.make_tensor(gate, cute.make_layout((B, HD), stride=(sg, 1)))[b, h * D + vr]
-            KdaDecodeSm90._load_rows(mS, rS, row0, rgrp, lane, self.early_rows, RPT)
+            if cutlass.const_expr(self.early_rows < RPT):
+                if (b * H + h) * C + cr >= first_wave:
+                    KdaDecodeSm90._load_rows(mS, rS, row0, rgrp, lane, self.early_rows, RPT)
 
             # ---- 3. conv + SiLU, sums of squares, decays, v, gate ------------------------------
             xb = xq
@@ -382,7 +390,7 @@ def _fake_args():
     import cuda.bindings.driver as cuda
     ptrs = tuple(_ptr(dt, 1 << 20, al) for _, dt, al in _PTR_SPECS)
     i = Int32(1)
-    return ptrs + (i,) * 10 + (Float32(1e-6), Float32(-5.0), cuda.CUstream(0))
+    return ptrs + (i,) * 11 + (Float32(1e-6), Float32(-5.0), cuda.CUstream(0))
 
 
 def compile_variant(cluster: int, conv_layout: str, bounded: bool, pdl: bool = False,
@@ -465,10 +473,24 @@ def choose_early_rows(batch: int, heads: int, cluster: int) -> int | None:
     return 2 if batch * heads * cluster >= 128 else None
 
 
+@functools.lru_cache(maxsize=None)
+def choose_first_wave(device_index: int) -> int:
+    """PDL with early_rows < all: how many CTAs, in launch order, still load every row pass
+    before the wait: one per SM. The first CTAs of a grid become resident as the previous grid
+    drains and wait there; loading their whole state meanwhile keeps DRAM busy through that
+    tail, while the later CTAs (which pass the wait at once) keep the early_rows order.
+    H200, interleaved A/B (results/kda_decode_h200_first_wave_session15.json), us with PDL,
+    0 -> 132: H=12 B=64 29.29-29.47 -> 28.39-28.48, B=32 16.03-16.09 -> 14.98-15.08, B=16
+    9.19-9.34 -> 8.13-8.30, H=32 B=32 37.84-37.91 -> 37.38-37.48, H=96 B=64 211.2-211.8 ->
+    210.1-210.7; 264 (two per SM) gained nothing at H=12 B=64."""
+    import torch
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight, eps,
            lower_bound, state_pool, conv_pool, slot_idx, conv_layout, out,
            cluster: int | None = None, pdl: bool = False, min_blocks: int = 0,
-           early_rows: int | None = None):
+           early_rows: int | None = None, first_wave: int | None = None):
     """Run the kernel on the current torch stream (arguments already validated by the guard)."""
     import cuda.bindings.driver as cuda
     import torch
@@ -478,13 +500,16 @@ def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight
     C = cluster or choose_cluster(B, H, pdl)
     if early_rows is None:
         early_rows = choose_early_rows(B, H, C)
+    if first_wave is None:
+        first_wave = choose_first_wave(q.device.index if q.device.index is not None
+                                       else torch.cuda.current_device())
     fn = compile_variant(C, conv_layout, lower_bound is not None, pdl, min_blocks=min_blocks,
                          early_rows=early_rows)
     tensors = (q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight,
                state_pool, conv_pool, slot_idx, out)
     ptrs = [_ptr(dt, t.data_ptr(), al) for t, (_, dt, al) in zip(tensors, _PTR_SPECS)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    fn(*ptrs, Int32(B), Int32(H), Int32(state_pool.shape[0]),
+    fn(*ptrs, Int32(B), Int32(H), Int32(state_pool.shape[0]), Int32(first_wave),
        Int32(q.stride(0)), Int32(k.stride(0)), Int32(v.stride(0)), Int32(g_out.stride(0)),
        Int32(f.stride(0)), Int32(beta_raw.stride(0)), Int32(out.stride(0)),
        Float32(eps), Float32(lower_bound if lower_bound is not None else 0.0), stream)

@@ -85,7 +85,7 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check(case, steps=1, cluster=None, pdl=False):
+def check(case, steps=1, cluster=None, pdl=False, first_wave=None):
     ref, got = clone(case), clone(case)
     HD = case["q"].shape[1]
     B = case["q"].shape[0]
@@ -93,7 +93,7 @@ def check(case, steps=1, cluster=None, pdl=False):
         out_ref = torch.full((B, HD), float("nan"), dtype=torch.bfloat16, device="cuda")
         out = torch.full((B, HD), float("nan"), dtype=torch.bfloat16, device="cuda")
         kda_decode_reference(**ref, out=out_ref)
-        kda_decode_cutedsl(**got, out=out, cluster=cluster, pdl=pdl)
+        kda_decode_cutedsl(**got, out=out, cluster=cluster, pdl=pdl, first_wave=first_wave)
         torch.cuda.synchronize()
         assert not out.isnan().any(), "kernel left output elements unwritten"
         live = case["slot_idx"] != 0
@@ -110,6 +110,7 @@ def check(case, steps=1, cluster=None, pdl=False):
     untouched[0] = True
     assert torch.equal(got["state_pool"][untouched], case["state_pool"][untouched]), "padding/unused state touched"
     assert torch.equal(got["conv_pool"][untouched], case["conv_pool"][untouched]), "padding/unused conv touched"
+    return got, out
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
@@ -130,6 +131,20 @@ def test_every_cluster_variant_over_steps(cluster, layout):
 def test_pdl_variant(cluster):
     check(make_case(6, 12, "SD", -5.0, n_pad=2, salt=20 + cluster), steps=2, cluster=cluster, pdl=True)
     check(make_case(3, 96, "DS", None, n_pad=1, salt=30 + cluster), cluster=cluster, pdl=True)
+
+
+@pytest.mark.parametrize("B,H", [(64, 12), (16, 32)])
+def test_pdl_first_wave_loads_give_identical_results(B, H):
+    """Grids of >= 128 CTAs load 2 row passes before the PDL wait and the rest after it, except
+    the first `first_wave` CTAs, which load every pass before it. Each split (none, some, the
+    default one per SM, every CTA) must match the reference and give the same bits."""
+    case = make_case(B, H, "SD", -5.0, n_pad=3, salt=50 + B)
+    results = {fw: check(case, steps=2, pdl=True, first_wave=fw)
+               for fw in (0, 37, None, B * H)}
+    st0, out0 = results[0]
+    for fw, (st, out) in results.items():
+        assert torch.equal(st["state_pool"], st0["state_pool"]), f"first_wave={fw}: state differs"
+        assert torch.equal(out, out0), f"first_wave={fw}: output differs"
 
 
 def test_pdl_back_to_back_on_disjoint_slots():
