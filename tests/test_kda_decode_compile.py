@@ -86,12 +86,12 @@ def test_variant_compiles_to_sm90a_cubin(cluster, layout, bounded, pdl, dump_roo
 
 @pytest.mark.parametrize("cluster", cutedsl.CLUSTER_SIZES)
 def test_pdl_early_rows_split_the_state_loads_around_the_wait(cluster, dump_root):
-    """early_rows = 2 (choose_early_rows for large grids): row passes [0, 2) and the conv
+    """early_rows = 3 (choose_early_rows for large grids): row passes [0, 3) and the conv
     weights before the wait; the other row passes after it, and also before it for the
     grid's first `first_wave` CTAs (a run-time branch on the linear CTA index); no spill."""
-    fn = build(cluster, "SD", True, dump_root, True, 2)
+    fn = build(cluster, "SD", True, dump_root, True, 3)
     rows_per_thread = cutedsl.D // cluster // cutedsl.ROWS_PER_PASS
-    early = min(2, rows_per_thread)
+    early = min(3, rows_per_thread)
     late = rows_per_thread - early
     pre, post = fn.artifacts.PTX.rsplit("griddepcontrol.wait", 1)
     assert pre.count("ld.global.v4") == 2 * (early + late) + 2
@@ -106,8 +106,8 @@ def test_bad_early_rows_is_refused_with_its_name(bad):
 
 
 def test_choose_early_rows_splits_only_grids_of_128_ctas_or_more():
-    assert cutedsl.choose_early_rows(64, 12, 1) == 2
-    assert cutedsl.choose_early_rows(4, 32, 1) == 2          # 128 CTAs
+    assert cutedsl.choose_early_rows(64, 12, 1) == 3
+    assert cutedsl.choose_early_rows(4, 32, 1) == 3          # 128 CTAs
     assert cutedsl.choose_early_rows(8, 12, 1) is None       # 96 CTAs: every load early
     assert cutedsl.choose_early_rows(1, 12, 4) is None
 

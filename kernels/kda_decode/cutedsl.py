@@ -461,16 +461,19 @@ def choose_cluster(batch: int, heads: int, pdl: bool = False) -> int:
 
 
 def choose_early_rows(batch: int, heads: int, cluster: int) -> int | None:
-    """PDL: state row passes each CTA loads before griddepcontrol.wait (None = all). With all of
-    them early, a grid of many CTAs leaves DRAM idle after the wait while every resident CTA
-    waits on the projected rows. On the H200, 2 early and the rest after the wait was 1-4 %
-    faster at H=12 B=16 / 64 (same-machine A/B), 0-1 % at H=32 B=64 and 0-0.5 % slower at
-    H=96 B=64; against the session-5 file it was faster at H=12 B=32 and H=32 B=4..8 and
-    0.3-0.6 us slower below 128 CTAs (H=12 B=2..8, H=32 B=1..2, H=96 B=1), so smaller grids
-    keep every load early.
-    results/kda_decode_h200_session10_ab.json, kda_decode_h200_early_rows.json,
-    kda_decode_h200_min32calls.json."""
-    return 2 if batch * heads * cluster >= 128 else None
+    """PDL: state row passes each CTA loads before griddepcontrol.wait (None = all; the grid's
+    first `choose_first_wave` CTAs load all of them regardless). With all of them early, a grid
+    of many CTAs leaves DRAM idle after the wait while every resident CTA waits on the projected
+    rows. On the H200, 2 early and the rest after the wait was 1-4 % faster at H=12 B=16 / 64
+    (same-machine A/B), 0-1 % at H=32 B=64 and 0-0.5 % slower at H=96 B=64; against the
+    session-5 file it was faster at H=12 B=32 and H=32 B=4..8 and 0.3-0.6 us slower below 128
+    CTAs (H=12 B=2..8, H=32 B=1..2, H=96 B=1), so smaller grids keep every load early
+    (results/kda_decode_h200_session10_ab.json, kda_decode_h200_early_rows.json,
+    kda_decode_h200_min32calls.json). With the first wave (session 15, same-machine A/B, us,
+    2 -> 3 early): H=12 B=64 28.38-28.50 -> 28.13-28.20, B=16 8.24-8.64 -> 8.00-8.06, H=32
+    B=64 71.69-71.77 -> 71.30-71.62, H=12 B=32 and H=96 B=64 unchanged; 4 was slower
+    (results/kda_decode_h200_first_wave_session15.json)."""
+    return 3 if batch * heads * cluster >= 128 else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,10 +482,11 @@ def choose_first_wave(device_index: int) -> int:
     before the wait: one per SM. The first CTAs of a grid become resident as the previous grid
     drains and wait there; loading their whole state meanwhile keeps DRAM busy through that
     tail, while the later CTAs (which pass the wait at once) keep the early_rows order.
-    H200, interleaved A/B (results/kda_decode_h200_first_wave_session15.json), us with PDL,
-    0 -> 132: H=12 B=64 29.29-29.47 -> 28.39-28.48, B=32 16.03-16.09 -> 14.98-15.08, B=16
-    9.19-9.34 -> 8.13-8.30, H=32 B=32 37.84-37.91 -> 37.38-37.48, H=96 B=64 211.2-211.8 ->
-    210.1-210.7; 264 (two per SM) gained nothing at H=12 B=64."""
+    H200, interleaved A/B (results/kda_decode_h200_first_wave_session15.json), us with PDL and
+    2 early row passes, 0 -> 132: H=12 B=64 29.29-29.47 -> 28.39-28.48, B=32 16.03-16.09 ->
+    14.98-15.08, B=16 9.19-9.34 -> 8.13-8.30, H=32 B=32 37.84-37.91 -> 37.38-37.48, H=96 B=64
+    211.2-211.8 -> 210.1-210.7; 264 (two per SM) gained nothing at H=12 B=64, 100 and 150-166
+    were within a few % of 132 either way (100 best at H=12 B=16, 7.8 us)."""
     import torch
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
