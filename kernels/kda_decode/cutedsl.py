@@ -21,21 +21,22 @@ Geometry (the split design of vLLM's Blackwell `KdaSplit`, written from scratch 
   The state loads are issued first and every other global load right after, before any use, so
   one DRAM round trip (after the slot index) covers them all.
   PDL variant (`pdl=True`): the slot index, the state rows (for grids of >= 128 CTAs only the
-  first 2 row passes, `choose_early_rows`), conv rows and parameters are loaded before
-  `griddepcontrol.wait` (overlapping the previous kernel's tail); the projected rows and the
-  other row passes after it; dependents are triggered right after the wait. Contract: the
-  immediately preceding kernel in the stream must not write the pools, slot_idx or the
-  parameters.
+  first 3 row passes, `choose_early_rows`, except in the grid's first `first_wave` CTAs, one per
+  SM, `choose_first_wave`), conv rows and parameters are loaded before `griddepcontrol.wait`
+  (overlapping the previous kernel's tail); the projected rows and the other row passes after
+  it; dependents are triggered right after the wait. Contract: the immediately preceding kernel
+  in the stream must not write the pools, slot_idx or the parameters.
 
 Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets output zeros.
 H, B and the pool sizes are run-time values; the compiled variants are (C, conv layout, decay form,
 PDL); each compiles in well under a second, also on a CPU-only machine (CUTE_DSL_ARCH=sm_90a).
 
-Status on the H200 (session 12, results/kda_decode_h200_launcher_session12.json, PDL): H=12
-B=1 2.1 us, H=12 B=64 29.4 us (83 % of the copy floor; the issue's target is 28), H=96 B=64
-211.6 us (1.09x the floor). What was tried against the H=12 B=64 gap (occupancy caps, shared
-memory staging, two-CTA splits, persistent grids, cache hints, early_rows), each with its JSON:
-docs/kernel_history.md.
+Status on the H200 (session 15, results/kda_decode_h200_launcher_session15.json, PDL): H=12
+B=1 2.1 us, H=12 B=64 28.5 us (85 % of the copy floor; the issue's target is 28; 28.13-28.20 in
+an interleaved A/B on another machine), H=96 B=64 210.7 us (1.09x the floor). What was tried
+against the H=12 B=64 gap (occupancy caps, shared memory staging, two-CTA splits, persistent
+grids, cache hints, early_rows, 512-thread CTAs, per-CTA timelines, the first wave), each with
+its JSON: docs/kernel_history.md.
 """
 from __future__ import annotations
 
