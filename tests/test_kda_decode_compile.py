@@ -105,6 +105,13 @@ def test_bad_early_rows_is_refused_with_its_name(bad):
         cutedsl.KdaDecodeSm90(1, "SD", True, pdl=True, early_rows=bad)
 
 
+@pytest.mark.parametrize("bad", [-1, 2 ** 31, 1.5, "8"])
+def test_bad_first_wave_is_refused_with_its_name(bad):
+    """Checked before anything touches a GPU (so this runs on the CPU)."""
+    with pytest.raises(ValueError, match="first_wave"):
+        cutedsl.launch(*([None] * 17), first_wave=bad)
+
+
 def test_choose_early_rows_splits_only_grids_of_128_ctas_or_more():
     assert cutedsl.choose_early_rows(64, 12, 1) == 3
     assert cutedsl.choose_early_rows(4, 32, 1) == 3          # 128 CTAs

@@ -497,6 +497,8 @@ def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight
            cluster: int | None = None, pdl: bool = False, min_blocks: int = 0,
            early_rows: int | None = None, first_wave: int | None = None):
     """Run the kernel on the current torch stream (arguments already validated by the guard)."""
+    if first_wave is not None and not (isinstance(first_wave, int) and 0 <= first_wave < 2 ** 31):
+        raise ValueError(f"first_wave must be None or an int in [0, 2^31), got {first_wave!r}")
     import cuda.bindings.driver as cuda
     import torch
 

@@ -135,9 +135,10 @@ def test_pdl_variant(cluster):
 
 @pytest.mark.parametrize("B,H", [(64, 12), (16, 32)])
 def test_pdl_first_wave_loads_give_identical_results(B, H):
-    """Grids of >= 128 CTAs load 2 row passes before the PDL wait and the rest after it, except
-    the first `first_wave` CTAs, which load every pass before it. Each split (none, some, the
-    default one per SM, every CTA) must match the reference and give the same bits."""
+    """Grids of >= 128 CTAs load some row passes before the PDL wait (choose_early_rows) and the
+    rest after it, except the first `first_wave` CTAs, which load every pass before it. Each
+    split (none, some, the default one per SM, every CTA) must match the reference and give the
+    same bits."""
     case = make_case(B, H, "SD", -5.0, n_pad=3, salt=50 + B)
     results = {fw: check(case, steps=2, pdl=True, first_wave=fw)
                for fw in (0, 37, None, B * H)}
