@@ -186,10 +186,11 @@ class KdaDecodeSm90:
                 cute.make_layout((D, D), stride=(D, 1)))
             rS = cute.make_rmem_tensor(cute.make_layout((4, 2, RPT), stride=(1, 4, 8)), Float32)
             KdaDecodeSm90._load_rows(mS, rS, row0, rgrp, lane, 0, self.early_rows)
+            # the grid's first `first_wave` CTAs (launch order) load every pass early: they are
+            # the ones that become resident while the previous grid drains
+            in_first_wave = (b * H + h) * C + cr < first_wave
             if cutlass.const_expr(self.early_rows < RPT):
-                # the grid's first `first_wave` CTAs (launch order) load every pass early: they
-                # are the ones that become resident while the previous grid drains
-                if (b * H + h) * C + cr < first_wave:
+                if in_first_wave:
                     KdaDecodeSm90._load_rows(mS, rS, row0, rgrp, lane, self.early_rows, RPT)
 
             # ---- 2. every other global load, all issued before any use (one DRAM round trip) ---
@@ -236,7 +237,7 @@ class KdaDecodeSm90:
             vx = cute.make_tensor(v, cute.make_layout((B, HD), stride=(sv, 1)))[b, h * D + vr]
             gr = cute.make_tensor(gate, cute.make_layout((B, HD), stride=(sg, 1)))[b, h * D + vr]
             if cutlass.const_expr(self.early_rows < RPT):
-                if (b * H + h) * C + cr >= first_wave:
+                if not in_first_wave:
                     KdaDecodeSm90._load_rows(mS, rS, row0, rgrp, lane, self.early_rows, RPT)
 
             # ---- 3. conv + SiLU, sums of squares, decays, v, gate ------------------------------

@@ -464,9 +464,7 @@ class MlaDecodeSwapAbKernel:
             # stage (smem, K-major, as TMA wrote it), B = Q_hi / Q_lo (smem, e4m3, K-major).
             # O^T: A = V^T built in registers from the raw fp8 bytes (fp16), B = P^T (fp16 smem)
             RMEM = warpgroup.OperandSource.RMEM
-            e4m3 = cutlass.Float8E4M3FN
-            qk_mma = sm90_utils.make_trivial_tiled_mma(
-                e4m3, e4m3, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (TILE_N, hp))
+            qk_mma = self.fp8_qk_mma(hp)
             pv_mma = sm90_utils.make_trivial_tiled_mma(
                 cdt, cdt, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (64, hp), RMEM)
         else:
@@ -676,7 +674,7 @@ class MlaDecodeSwapAbKernel:
                 if cutlass.const_expr(self.qk_joint):
                     # fp8 joint S^T: B = [Q_hi ; Q_lo] (sQ is the [2 hp, 576] operand), one
                     # wgmma m64n(2 hp)k32 per k-step; (MMA, 1, 18, st) / (MMA, 1, 18)
-                    qkj_mma = self.joint_qk_mma(hp)
+                    qkj_mma = self.fp8_qk_mma(2 * hp)
                     thr_qkj = qkj_mma.get_slice(wtid)
                     tSrK = thr_qkj.make_fragment_A(thr_qkj.partition_A(sK))
                     tSrQ = thr_qkj.make_fragment_B(thr_qkj.partition_B(sQ))
@@ -1137,12 +1135,13 @@ class MlaDecodeSwapAbKernel:
             acc_S.store(acc_S.load() + acc_T[(QK_CHUNKS - 2) % 2].load())
 
     @staticmethod
-    def joint_qk_mma(hp: int):
-        """The S^T MMA of qk_joint: e4m3 x e4m3 -> fp32, both K-major, 64 x 2 hp tiles."""
+    def fp8_qk_mma(n: int):
+        """The fp8 S^T MMA: e4m3 x e4m3 -> fp32, both K-major, 64 x n tiles (n = h_pad, or
+        2 h_pad for qk_joint's [Q_hi ; Q_lo] operand)."""
         e4m3 = cutlass.Float8E4M3FN
         return sm90_utils.make_trivial_tiled_mma(
             e4m3, e4m3, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            (1, 1, 1), (TILE_N, 2 * hp))
+            (1, 1, 1), (TILE_N, n))
 
     @staticmethod
     def _joint_fold_map(qk_mma, qkj_mma, hp):
