@@ -13,7 +13,8 @@ For H in {12, 32, 96} x B in {1, 2, 4, 8, 16, 32, 64} (K = V = 128, bounded K3 d
   floor  : fp32 state read + written once at the copy bandwidth measured in the same run.
 Times: median over CUDA-graph replays; each graph holds N >= MIN_CALLS calls that rotate over
 disjoint slot sets, so the state they touch (>= ~200 MB, at most 256 sets) does not stay in L2;
-per-call = replay / N.
+per-call = replay / N. With --marginal also (t_2N - t_N) / N, which charges no call with the
+replay's launch or the first call's missing predecessor (graph_us_marginal).
 Writes JSON (device, versions, date, every figure) to benchmarks/results/ (or --out) and prints a
 short table last.
 """
@@ -117,6 +118,14 @@ def _graph_us_per_call(calls, reps):
     ms = events_ms(g.replay, reps)
     del g
     return ms * 1e3 / len(calls)
+
+
+def graph_us_marginal(calls):
+    """us per call with the graph's fixed costs taken out: a graph of 2 N calls against one of
+    N (the same thunks twice), (t_2N - t_N) / N. A replay's launch (several us before the first
+    kernel) and the first call's missing predecessor are then charged to no call, as in a decode
+    step's graph of every layer, where one launch serves hundreds of kernels."""
+    return 2 * graph_us_per_call(calls * 2) - graph_us_per_call(calls)
 
 
 class Cell:
@@ -257,6 +266,9 @@ def main(argv=None):
                          "before the PDL wait), w0 w132 (CTAs that load every pass before it), "
                          "c1e4w0 (see parse_variant)")
     ap.add_argument("--no-stock", action="store_true", help="skip fla-core / torch stock timings")
+    ap.add_argument("--marginal", action="store_true",
+                    help="also time ours (plain, PDL) and stock per call with the graph's fixed "
+                         "costs taken out (2N- vs N-call graphs; *_marginal_us in the JSON)")
     args = ap.parse_args(argv)
     variants = {name: parse_variant(name) for name in args.variants}   # fail before any timing
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -287,6 +299,9 @@ def main(argv=None):
                 r.update(quick_check(cell))
                 r["ours_us"] = graph_us_per_call(ours_calls(cell))
                 r["ours_pdl_us"] = graph_us_per_call(ours_calls(cell, pdl=True))
+                if args.marginal:
+                    r["ours_marginal_us"] = graph_us_marginal(ours_calls(cell))
+                    r["ours_pdl_marginal_us"] = graph_us_marginal(ours_calls(cell, pdl=True))
                 if not args.no_cluster_sweep:
                     r["ours_us_by_cluster"] = {
                         str(c): graph_us_per_call(ours_calls(cell, c)) for c in cutedsl.CLUSTER_SIZES}
@@ -314,9 +329,11 @@ def main(argv=None):
                         [lambda s=s: torch_conv(cell, s) for s in sets])
                     o = fla_core(cell, sets[0])
                     r["torch_norm_us"] = graph_us_per_call([lambda: torch_norm(cell, o) for _ in sets])
-                    r["stock_us"] = graph_us_per_call(
-                        [lambda s=s: torch_norm(cell, fla_core(cell, s, torch_conv(cell, s)))
-                         for s in sets])
+                    stock = [lambda s=s: torch_norm(cell, fla_core(cell, s, torch_conv(cell, s)))
+                             for s in sets]
+                    r["stock_us"] = graph_us_per_call(stock)
+                    if args.marginal:
+                        r["stock_marginal_us"] = graph_us_marginal(stock)
             except Exception as exc:  # noqa: BLE001
                 r["stock_error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
@@ -357,6 +374,12 @@ def main(argv=None):
               f"{f(r, 'frac_of_floor', '{:.0%}'):>7} {f(r, 'speedup_vs_stock', '{:.2f}'):>7} "
               f"{f(r, 'speedup_vs_fla_core', '{:.2f}'):>6} {f(r, 'ours_pdl_us'):>7} "
               f"{f(r, 'pdl_frac_of_floor', '{:.0%}'):>7}")
+    if args.marginal:
+        print("\nper call without the graph's fixed costs (2N- vs N-call graphs), us")
+        print(f"{'H':>3} {'B':>3} {'floor':>6} {'ours':>7} {'pdl':>7} {'stock':>7}")
+        for r in res["cells"].values():
+            print(f"{r['H']:>3} {r['B']:>3} {r['floor_us']:6.2f} {f(r, 'ours_marginal_us'):>7} "
+                  f"{f(r, 'ours_pdl_marginal_us'):>7} {f(r, 'stock_marginal_us'):>7}")
     if args.variants:
         print("\nvariants, us per call plain / pdl (default: the launcher's choice)")
         print(f"{'H':>3} {'B':>3} {'floor':>6} {'default':>13} " + " ".join(f"{v:>13}" for v in args.variants))
