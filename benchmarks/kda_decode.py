@@ -12,9 +12,14 @@ For H in {12, 32, 96} x B in {1, 2, 4, 8, 16, 32, 64} (K = V = 128, bounded K3 d
            the gated RMSNorm after it (all captured in one CUDA graph).
   floor  : fp32 state read + written once at the copy bandwidth measured in the same run.
 Times: median over CUDA-graph replays; each graph holds N >= MIN_CALLS calls that rotate over
-disjoint slot sets, so the state they touch (>= ~200 MB, at most 256 sets) does not stay in L2;
-per-call = replay / N. With --marginal also (t_2N - t_N) / N, which charges no call with the
-replay's launch or the first call's missing predecessor (graph_us_marginal).
+disjoint state (>= ~200 MB, at most 256 sets), so it does not stay in L2; per-call = replay / N.
+Slots, as the runtime addresses them (the figures of record): each call is another layer with its
+own pool (SlotPool's [n_kda, slots, H, V, K]), the batch holds slots 1..B (SlotPool hands out the
+lowest free ids) in slot order (RankEngine orders a step's rows by slot). `*_random_slots_us`: the
+same kernel with B random slots of one pool of (sets x B + 1) slots per call, as churn could
+scatter them at worst (this benchmark's pattern before session 17). With --marginal also
+(t_2N - t_N) / N, which charges no call with the replay's launch or the first call's missing
+predecessor (graph_us_marginal).
 Writes JSON (device, versions, date, every figure) to benchmarks/results/ (or --out) and prints a
 short table last.
 """
@@ -130,15 +135,21 @@ def graph_us_marginal(calls, us_per_call):
 
 
 class Cell:
-    """Inputs for one (H, B): one pool with `n_sets` disjoint slot sets of B slots."""
+    """Inputs for one (H, B) and the per-call state they touch, in one of two slot patterns:
+    "runtime": `n_sets` layer pools of B + 1 slots each, call i on layer i % n_sets with slots
+    1..B in order; "random": one pool of n_sets x B + 1 slots, call i on the i % n_sets-th of
+    n_sets disjoint sets of B random slots (random order)."""
 
-    def __init__(self, H, B, seed):
+    PATTERNS = ("runtime", "random")
+
+    def __init__(self, H, B, seed, pattern="runtime"):
+        if pattern not in self.PATTERNS:
+            raise ValueError(f"slot pattern must be one of {self.PATTERNS}, got {pattern!r}")
         torch.manual_seed(seed)
         HD = H * D
-        self.H, self.B = H, B
+        self.H, self.B, self.pattern = H, B, pattern
         per_call = B * H * D * D * 4
         self.n_sets = max(2, min(256, math.ceil(ROTATE_BYTES / per_call)))
-        n_slots = self.n_sets * B + 1
         dev = "cuda"
         self.rows = [torch.randn(B, HD, device=dev).to(torch.bfloat16) for _ in range(5)]
         self.q, self.k, self.v, self.g_out, self.f = self.rows
@@ -147,32 +158,38 @@ class Cell:
         self.A_log = torch.rand(H, device=dev) * math.log(16.0)
         self.dt_bias = 0.5 * torch.randn(HD, device=dev)
         self.norm_weight = 1.0 + 0.1 * torch.randn(D, device=dev)
-        self.state = torch.randn(n_slots, H, D, D, device=dev) * 0.3
-        self.conv = torch.randn(n_slots, W - 1, 3 * HD, device=dev).to(torch.bfloat16)
-        perm = torch.randperm(n_slots - 1, device=dev) + 1
-        self.slot_sets = [perm[i * B:(i + 1) * B].to(torch.int32).contiguous()
-                          for i in range(self.n_sets)]
+        if pattern == "runtime":
+            state = torch.randn(self.n_sets, B + 1, H, D, D, device=dev) * 0.3
+            conv = torch.randn(self.n_sets, B + 1, W - 1, 3 * HD, device=dev).to(torch.bfloat16)
+            slots = torch.arange(1, B + 1, device=dev, dtype=torch.int32)
+            self.sets = [(state[i], conv[i], slots) for i in range(self.n_sets)]
+        else:
+            n_slots = self.n_sets * B + 1
+            state = torch.randn(n_slots, H, D, D, device=dev) * 0.3
+            conv = torch.randn(n_slots, W - 1, 3 * HD, device=dev).to(torch.bfloat16)
+            perm = torch.randperm(n_slots - 1, device=dev) + 1
+            self.sets = [(state, conv, perm[i * B:(i + 1) * B].to(torch.int32).contiguous())
+                         for i in range(self.n_sets)]
         self.out = torch.empty(B, HD, device=dev, dtype=torch.bfloat16)
         self.cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
         self.n_calls = max(self.n_sets, MIN_CALLS)
 
-    def args(self, slots):
+    def args(self, i):
+        """Keyword arguments of the kernel for call i."""
+        state, conv, slots = self.sets[i % self.n_sets]
         return dict(q=self.q, k=self.k, v=self.v, g_out=self.g_out, f=self.f,
                     beta_raw=self.beta_raw, conv_weight=self.conv_weight, A_log=self.A_log,
                     dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=EPS,
-                    lower_bound=LOWER_BOUND, state_pool=self.state, conv_pool=self.conv,
+                    lower_bound=LOWER_BOUND, state_pool=state, conv_pool=conv,
                     slot_idx=slots, conv_layout="SD", out=self.out)
-
-    def sets(self):
-        return [self.slot_sets[i % self.n_sets] for i in range(self.n_calls)]
 
 
 def ours_calls(cell, cluster=None, pdl=False, min_blocks=0, early_rows=None, first_wave=None):
     from pdserve.kernels.kda_decode import cutedsl
-    return [lambda s=s: cutedsl.launch(**cell.args(s), cluster=cluster, pdl=pdl,
+    return [lambda i=i: cutedsl.launch(**cell.args(i), cluster=cluster, pdl=pdl,
                                        min_blocks=min_blocks, early_rows=early_rows,
                                        first_wave=first_wave)
-            for s in cell.sets()]
+            for i in range(cell.n_calls)]
 
 
 def parse_variant(name):
@@ -194,12 +211,13 @@ def parse_variant(name):
     return kw
 
 
-def torch_conv(cell, slots):
+def torch_conv(cell, i):
     """Stock conv part in torch: causal conv update + SiLU over [q|k|v], state rolled in place."""
+    _, conv, slots = cell.sets[i % cell.n_sets]
     x = torch.cat([cell.q, cell.k, cell.v], dim=1)                    # [B, 3HD]
     idx = slots.long()
-    win = torch.cat([cell.conv[idx], x[:, None]], dim=1)              # [B, W, 3HD]
-    cell.conv[idx] = win[:, 1:]
+    win = torch.cat([conv[idx], x[:, None]], dim=1)                   # [B, W, 3HD]
+    conv[idx] = win[:, 1:]
     y = F.silu((win.float() * cell.conv_weight.t()[None]).sum(1)).to(torch.bfloat16)
     return y.view(cell.B, 3, cell.H, D)
 
@@ -210,11 +228,12 @@ def torch_norm(cell, o):
     cell.out.copy_((of * torch.sigmoid(cell.g_out.float().view(cell.B, cell.H, D))).view(cell.B, -1))
 
 
-def fla_core(cell, slots, qkv=None):
+def fla_core(cell, i, qkv=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     B, H = cell.B, cell.H
+    state, _, slots = cell.sets[i % cell.n_sets]
     if qkv is None:
         q = cell.q.view(1, B, H, D)
         k = cell.k.view(1, B, H, D)
@@ -224,7 +243,7 @@ def fla_core(cell, slots, qkv=None):
     o, _ = fused_recurrent_kda_fwd(
         q=q, k=k, v=v, g=cell.f.view(1, B, H, D), beta=cell.beta_raw.view(1, B, H),
         A_log=cell.A_log, dt_bias=cell.dt_bias, scale=D ** -0.5,
-        initial_state=cell.state, inplace_final_state=True, state_v_first=True,
+        initial_state=state, inplace_final_state=True, state_v_first=True,
         cu_seqlens=cell.cu, ssm_state_indices=slots,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=LOWER_BOUND)
@@ -234,22 +253,21 @@ def fla_core(cell, slots, qkv=None):
 def quick_check(cell):
     """One call of ours vs the reference on a copy of the pools (guards against timing garbage)."""
     from pdserve.kernels.kda_decode import kda_decode_cutedsl, kda_decode_reference
-    s = cell.slot_sets[0]
-    a = cell.args(s)
-    st0, cv0 = cell.state[s.long()].clone(), cell.conv[s.long()].clone()
-    ref_state = cell.state.clone()
-    ref_conv = cell.conv.clone()
+    a = cell.args(0)
+    state, conv, s = a["state_pool"], a["conv_pool"], a["slot_idx"].long()
+    st0, cv0 = state[s].clone(), conv[s].clone()
+    ref_state, ref_conv = state.clone(), conv.clone()
     ref_out = torch.empty_like(cell.out)
     kda_decode_reference(**{**a, "state_pool": ref_state, "conv_pool": ref_conv, "out": ref_out})
     cell.out.fill_(float("nan"))
     kda_decode_cutedsl(**a)
     torch.cuda.synchronize()
     rel = lambda x, y: ((x.double() - y.double()).norm() / y.double().norm()).item()
-    res = {"state_rel_err": rel(cell.state[s.long()], ref_state[s.long()]),
+    res = {"state_rel_err": rel(state[s], ref_state[s]),
            "out_rel_err": rel(cell.out, ref_out),
            "out_all_written": bool(not cell.out.isnan().any())}
-    cell.state[s.long()] = st0                      # restore (not needed for timing, but tidy)
-    cell.conv[s.long()] = cv0
+    state[s] = st0                      # restore (not needed for timing, but tidy)
+    conv[s] = cv0
     return res
 
 
@@ -267,6 +285,8 @@ def main(argv=None):
                          "before the PDL wait), w0 w132 (CTAs that load every pass before it), "
                          "c1e4w0 (see parse_variant)")
     ap.add_argument("--no-stock", action="store_true", help="skip fla-core / torch stock timings")
+    ap.add_argument("--no-random-slots", action="store_true",
+                    help="skip ours with random slots over one pool (*_random_slots_us)")
     ap.add_argument("--marginal", action="store_true",
                     help="also time ours (plain, PDL) and stock per call with the graph's fixed "
                          "costs taken out (2N- vs N-call graphs; *_marginal_us in the JSON)")
@@ -284,7 +304,9 @@ def main(argv=None):
            "versions": versions(), "copy_GBps": bw,
            "config": {"K": D, "V": D, "conv_width": W, "lower_bound": LOWER_BOUND,
                       "conv_layout": "SD", "rotate_bytes": ROTATE_BYTES,
-                      "timing": "median of 20 CUDA-graph replays / calls per graph"},
+                      "timing": "median of 20 CUDA-graph replays / calls per graph",
+                      "slots": "runtime: a pool per layer, slots 1..B in order; "
+                               "*_random_slots_us: B random slots of one pool (module docstring)"},
            "cells": {}}
     for H in args.heads:
         for B in args.batches:
@@ -295,7 +317,7 @@ def main(argv=None):
                  "cluster_default": cutedsl.choose_cluster(B, H),
                  "cluster_default_pdl": cutedsl.choose_cluster(B, H, pdl=True),
                  "calls_per_graph": cell.n_calls,
-                 "slot_sets": cell.n_sets}
+                 "slot_sets": cell.n_sets, "slot_pattern": cell.pattern}
             try:
                 r.update(quick_check(cell))
                 r["ours_us"] = graph_us_per_call(ours_calls(cell))
@@ -325,20 +347,30 @@ def main(argv=None):
                     traceback.print_exc()
             try:
                 if not args.no_stock:
-                    sets = cell.sets()
-                    r["fla_us"] = graph_us_per_call([lambda s=s: fla_core(cell, s) for s in sets])
+                    calls = range(cell.n_calls)
+                    r["fla_us"] = graph_us_per_call([lambda i=i: fla_core(cell, i) for i in calls])
                     r["torch_conv_us"] = graph_us_per_call(
-                        [lambda s=s: torch_conv(cell, s) for s in sets])
-                    o = fla_core(cell, sets[0])
-                    r["torch_norm_us"] = graph_us_per_call([lambda: torch_norm(cell, o) for _ in sets])
-                    stock = [lambda s=s: torch_norm(cell, fla_core(cell, s, torch_conv(cell, s)))
-                             for s in sets]
+                        [lambda i=i: torch_conv(cell, i) for i in calls])
+                    o = fla_core(cell, 0)
+                    r["torch_norm_us"] = graph_us_per_call([lambda: torch_norm(cell, o) for _ in calls])
+                    stock = [lambda i=i: torch_norm(cell, fla_core(cell, i, torch_conv(cell, i)))
+                             for i in calls]
                     r["stock_us"] = graph_us_per_call(stock)
                     if args.marginal:
                         r["stock_marginal_us"] = graph_us_marginal(stock, r["stock_us"])
             except Exception as exc:  # noqa: BLE001
                 r["stock_error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
+            if not args.no_random_slots:
+                del cell
+                torch.cuda.empty_cache()
+                try:
+                    cell = Cell(H, B, seed=H * 100 + B, pattern="random")
+                    r["ours_random_slots_us"] = graph_us_per_call(ours_calls(cell))
+                    r["ours_pdl_random_slots_us"] = graph_us_per_call(ours_calls(cell, pdl=True))
+                except Exception as exc:  # noqa: BLE001
+                    r["random_slots_error"] = f"{type(exc).__name__}: {exc}"
+                    traceback.print_exc()
             if "ours_us" in r:
                 r["frac_of_floor"] = r["floor_us"] / r["ours_us"]
                 r["achieved_GBps"] = state_bytes / (r["ours_us"] * 1e-6) / 1e9
@@ -352,7 +384,7 @@ def main(argv=None):
                     r["pdl_speedup_vs_stock"] = r["stock_us"] / r["ours_pdl_us"]
             res["cells"][key] = r
             print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-            del cell
+            cell = None
             torch.cuda.empty_cache()
 
     out = args.out or os.path.join(
@@ -364,8 +396,9 @@ def main(argv=None):
         json.dump(res, fh, indent=1)
 
     f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"
-    print(f"\nKDA decode step, {dev.name}, copy {bw:.0f} GB/s; us per call (CUDA graph), bounded gate, SD conv")
-    print(f"{'H':>3} {'B':>3} {'ours':>7} {'C':>2} {'best C':>9} {'fla':>7} {'stock':>7} {'floor':>7} {'%floor':>7} {'x stock':>7} {'x fla':>6} {'pdl':>7} {'%floor':>7}")
+    print(f"\nKDA decode step, {dev.name}, copy {bw:.0f} GB/s; us per call (CUDA graph), bounded gate, SD conv; "
+          "slots as the runtime has them (rnd: random slots of one pool)")
+    print(f"{'H':>3} {'B':>3} {'ours':>7} {'C':>2} {'best C':>9} {'fla':>7} {'stock':>7} {'floor':>7} {'%floor':>7} {'x stock':>7} {'x fla':>6} {'pdl':>7} {'%floor':>7} {'rnd':>7} {'pdl rnd':>7}")
     for r in res["cells"].values():
         best = ""
         if "ours_us_by_cluster" in r:
@@ -375,7 +408,8 @@ def main(argv=None):
               f"{f(r, 'fla_us'):>7} {f(r, 'stock_us'):>7} {f(r, 'floor_us', '{:.2f}'):>7} "
               f"{f(r, 'frac_of_floor', '{:.0%}'):>7} {f(r, 'speedup_vs_stock', '{:.2f}'):>7} "
               f"{f(r, 'speedup_vs_fla_core', '{:.2f}'):>6} {f(r, 'ours_pdl_us'):>7} "
-              f"{f(r, 'pdl_frac_of_floor', '{:.0%}'):>7}")
+              f"{f(r, 'pdl_frac_of_floor', '{:.0%}'):>7} {f(r, 'ours_random_slots_us'):>7} "
+              f"{f(r, 'ours_pdl_random_slots_us'):>7}")
     if args.marginal:
         print("\nper call without the graph's fixed costs (2N- vs N-call graphs), us")
         print(f"{'H':>3} {'B':>3} {'floor':>6} {'ours':>7} {'pdl':>7} {'stock':>7}")

@@ -88,6 +88,35 @@ def test_disaggregated_tokens_equal_monolithic(name):
         pair.close()
 
 
+def test_step_rows_go_to_the_ranks_in_slot_order_and_tokens_stay_with_their_requests():
+    """RankEngine.decode hands the ranks the step's rows in KDA slot order (the fused KDA
+    kernel then walks the state pools in address order), whatever order the caller keeps."""
+    config = preset("tiny")
+    want = monolithic(config, PROMPTS, PARAMS)
+    pair = Pair(config, "-order")
+    seen = []
+    rank_decode = pair.rank.decode
+
+    def recording(request_ids, tokens, positions):
+        seen.append(list(request_ids))
+        return rank_decode(request_ids, tokens, positions)
+    pair.rank.decode = recording
+    try:
+        seqs = [pair.decode.admit(h) for h in pair.handles(PROMPTS, PARAMS)]
+        slots = {s.request_id: s.table.kda_slot for s in seqs}
+        assert slots == {r: t.kda_slot for r, t in pair.rank.tables.items()}
+        assert len(set(slots.values())) == 3
+        shuffled = [seqs[2], seqs[0], seqs[1]]
+        got = pair.decode.decode(shuffled)
+        assert got == [s.output[-1] for s in shuffled]
+        assert seen[0] == sorted(slots, key=slots.get)
+        assert decode_to_end(pair.decode, shuffled) == [want[2], want[0], want[1]]
+        assert all(ids == sorted(ids, key=slots.get) for ids in seen)
+        assert pair.rank.pools.empty
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("name", ["tiny", "kimi-linear-reduced"])
 @pytest.mark.parametrize("p,d", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_resharded_tokens_equal_monolithic(ray_session, p, d, name):

@@ -218,13 +218,15 @@ class MonolithicRank:
         self.engine = ReferenceEngine(model, layout, num_pages, num_slots)
         self.seqs: dict[str, Sequence] = {}
 
-    def admit(self, request: Request) -> None:
-        """Reserve the request's pages and slot; raises PoolExhausted (full) or ValueError.
-        `request.params` must carry a seed (every rank must draw the same one)."""
+    def admit(self, request: Request) -> int:
+        """Reserve the request's pages and slot; returns the running KDA slot. Raises
+        PoolExhausted (full) or ValueError. `request.params` must carry a seed (every rank must
+        draw the same one)."""
         if request.params.seed is None:
             raise ValueError(f"request {request.request_id}: unseeded parameters reached rank "
                              f"{self.rank}; the instance seeds them once for all ranks")
-        self.seqs[request.request_id] = self.engine.admit(request)
+        seq = self.seqs[request.request_id] = self.engine.admit(request)
+        return seq.table.kda_slot
 
     def prefill(self, request_ids: list[str], threads: int | None = None) -> list[int] | None:
         """Run the admitted prompts; each one's first token (rank 0). `threads`: torch threads
