@@ -31,10 +31,11 @@ Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets
 H, B and the pool sizes are run-time values; the compiled variants are (C, conv layout, decay form,
 PDL); each compiles in well under a second, also on a CPU-only machine (CUTE_DSL_ARCH=sm_90a).
 
-Status on the H200 (session 15, results/kda_decode_h200_launcher_session15.json, PDL): H=12
-B=1 2.1 us, H=12 B=64 28.5 us (85 % of the copy floor; the issue's target is 28; 28.13-28.20 in
-an interleaved A/B on another machine), H=96 B=64 210.7 us (1.09x the floor). What was tried
-against the H=12 B=64 gap (occupancy caps, shared memory staging, two-CTA splits, persistent
+Status on the H200 (session 17, results/kda_decode_h200_session17.json, PDL, state addressed as
+the runtime does: a pool per layer, rows in slot order): H=12 B=1 2.1 us, H=12 B=64 27.8 us (88 %
+of the copy floor; the issue's target is 28; 27.5-27.7 in interleaved rounds on two machines, and
+28.0-28.5 with random slots of one large pool), H=96 B=64 209.0 us (1.07x the floor). What was
+tried against the H=12 B=64 gap (occupancy caps, shared memory staging, two-CTA splits, persistent
 grids, cache hints, early_rows, 512-thread CTAs, per-CTA timelines, the first wave), each with
 its JSON: docs/kernel_history.md.
 """
