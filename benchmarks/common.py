@@ -19,12 +19,45 @@ def environment() -> dict:
            "torch_threads": torch.get_num_threads(),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else
            f"CPU ({platform.processor() or platform.machine()})"}
-    try:
-        from importlib.metadata import version
-        env["pdserve"] = version("pdserve")
-    except Exception:
-        pass
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+        env["capability"] = list(torch.cuda.get_device_capability(0))
+        env["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+        serial = _gpu_serial()
+        if serial:
+            env["gpu_serial"] = serial          # which machine: figures move between them
+    for dist, module in (("pdserve", "pdserve"), ("nvidia-cutlass-dsl", "cutlass"),
+                         ("fla-core", "fla"), ("triton", "triton")):
+        v = _version(dist, module)
+        if v:
+            env[dist] = v
     return env
+
+
+def _version(dist: str, module: str) -> str | None:
+    """The installed distribution's version, else the module's __version__ (the H200 carries
+    some packages on PYTHONPATH without their metadata), else None (not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        pass
+    try:
+        return getattr(__import__(module), "__version__", None)
+    except Exception:  # noqa: BLE001 - an unimportable package is simply not recorded
+        return None
+
+
+def _gpu_serial() -> str | None:
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=serial", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.split("\n")[0].strip() or None
 
 
 def write_result(name: str, figures: dict, out_dir: str | os.PathLike | None = None) -> Path:

@@ -20,7 +20,7 @@ same kernel with B random slots of one pool of (sets x B + 1) slots per call, as
 scatter them at worst (this benchmark's pattern before session 17). With --marginal also
 (t_2N - t_N) / N, which charges no call with the replay's launch or the first call's missing
 predecessor (graph_us_marginal).
-Writes JSON (device, versions, date, every figure) to benchmarks/results/ (or --out) and prints a
+Writes JSON (environment: device, serial, versions, date; every figure) to benchmarks/results/ (or --out) and prints a
 short table last.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import sys
@@ -39,6 +38,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment  # noqa: E402
 
 HEADS = (12, 32, 96)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -50,18 +52,6 @@ ROTATE_BYTES = 200 << 20
 # first kernel) is spread over the calls; 8 left ~1 us of it on each large-batch call. A decode
 # step's graph holds every layer's kernels, so a long graph is what the runtime sees.
 MIN_CALLS = 32
-
-
-def versions():
-    v = {"python": platform.python_version(), "torch": torch.__version__,
-         "cuda": torch.version.cuda}
-    for name, mod in (("triton", "triton"), ("fla-core", "fla"), ("nvidia-cutlass-dsl", "cutlass")):
-        try:
-            m = __import__(mod)
-            v[name] = getattr(m, "__version__", "?")
-        except Exception as exc:  # noqa: BLE001
-            v[name] = f"unavailable: {exc}"
-    return v
 
 
 def events_ms(fn, reps):
@@ -299,9 +289,7 @@ def main(argv=None):
     dev = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth_GBps()
     print(f"device {dev.name}, copy bandwidth {bw:.0f} GB/s", flush=True)
-    res = {"device": dev.name, "sm_count": dev.multi_processor_count,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "versions": versions(), "copy_GBps": bw,
+    res = {"environment": environment(), "copy_GBps": bw,
            "config": {"K": D, "V": D, "conv_width": W, "lower_bound": LOWER_BOUND,
                       "conv_layout": "SD", "rotate_bytes": ROTATE_BYTES,
                       "timing": "median of 20 CUDA-graph replays / calls per graph",

@@ -26,14 +26,15 @@ recorded in each row); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment  # noqa: E402
 
 COPY_BW = 4245e9          # measured device-to-device copy bandwidth on the H200 (bytes/s)
 SCALE = 192 ** -0.5
@@ -122,7 +123,6 @@ def main(argv=None):
     ap.add_argument("--ctx", default="1024,8192,32768,131072",
                     help="comma-separated context lengths (default 1024,8192,32768,131072)")
     args = ap.parse_args(argv)
-    import cutlass
     from pdserve.kernels.mla_decode.cutedsl import CORE
     core = args.core or CORE
     if args.json is None:
@@ -154,11 +154,8 @@ def main(argv=None):
                 sweep.append(r)
                 print(f"sweep {r['kv_dtype']:9s} H=32 B={B} L={L} splits={sp:3d} {r['us']:8.1f} us", flush=True)
     res = dict(
-        op="mla_decode", backend="cutedsl", core=core, early_kv=args.early_kv, device=torch.cuda.get_device_name(0),
-        capability=list(torch.cuda.get_device_capability(0)), date=datetime.datetime.now().isoformat(),
-        versions=dict(torch=torch.__version__, cuda=torch.version.cuda, cutlass_dsl=getattr(cutlass, "__version__", "?"),
-                      python=platform.python_version()),
-        copy_bw_gbps=COPY_BW / 1e9, page_tokens=PAGE, softmax_scale=SCALE,
+        op="mla_decode", backend="cutedsl", core=core, early_kv=args.early_kv,
+        environment=environment(), copy_bw_gbps=COPY_BW / 1e9, page_tokens=PAGE, softmax_scale=SCALE,
         timing="median of CUDA-graph replays; K >= MIN_CALLS calls per graph rotating over up to 64 disjoint page sets (>= 256 MB working set)", min_calls=MIN_CALLS,
         targets=dict(frac_of_copy_bw_where_BxL_ge_256K=0.75, us_at_B1_L8K=10.0),
         env={k: v for k, v in sorted(os.environ.items()) if k.startswith("PDSERVE_MLA")},

@@ -12,11 +12,12 @@ and the filled registers hold: the rate does not depend on them. FMA per clock a
 """
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment  # noqa: E402
 
 K = 576                  # the MLA latent + rope width: the K of one S^T pass
 SMS = 132
@@ -134,9 +135,6 @@ def main(argv=None):
     import torch
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         sys.exit("wgmma_rate.py needs a Hopper GPU (sm_90)")
-    import cutlass
-    serial = subprocess.run(["nvidia-smi", "--query-gpu=serial", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip()
     rows = []
     print(f"{'mma':<28} {'wgs':>3} {'FMA/clk/SM':>11}")
     for fp8 in (True, False):
@@ -145,12 +143,8 @@ def main(argv=None):
                 r = rate(n, fp8, wgs, args.iters)
                 rows.append(r)
                 print(f"{r['mma']:<28} {wgs:>3} {r['fma_per_clk_at_1980mhz']:>11.0f}", flush=True)
-    res = dict(op="wgmma_rate", device=torch.cuda.get_device_name(0), serial=serial,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               versions=dict(torch=torch.__version__, cuda=torch.version.cuda,
-                             cutlass_dsl=getattr(cutlass, "__version__", "?"),
-                             python=platform.python_version()),
-               k=K, iters=args.iters, clock_assumed_hz=CLOCK_HZ, rows=rows)
+    res = dict(op="wgmma_rate", environment=environment(), k=K, iters=args.iters,
+               clock_assumed_hz=CLOCK_HZ, rows=rows)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", args.json)
