@@ -20,8 +20,8 @@ same kernel with B random slots of one pool of (sets x B + 1) slots per call, as
 scatter them at worst (this benchmark's pattern before session 17). With --marginal also
 (t_2N - t_N) / N, which charges no call with the replay's launch or the first call's missing
 predecessor (graph_us_marginal).
-Writes JSON (environment: device, serial, versions, date; every figure) to benchmarks/results/ (or --out) and prints a
-short table last.
+Writes JSON (the environment: device, GPU serial, versions, date; every figure) to
+benchmarks/results/ (or --out) and prints a short table last.
 """
 from __future__ import annotations
 
@@ -350,7 +350,7 @@ def main(argv=None):
                 r["stock_error"] = f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
             if not args.no_random_slots:
-                del cell
+                cell = None                         # its pools go before the next ones come
                 torch.cuda.empty_cache()
                 try:
                     cell = Cell(H, B, seed=H * 100 + B, pattern="random")

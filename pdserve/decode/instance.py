@@ -65,16 +65,17 @@ class RankEngine:
         (H200, H=12 B=64: 27.5-27.7 us per layer against 27.8-27.9 with the same slots
         shuffled, results/kda_decode_h200_slots_session17.json). Every rank gets the same order,
         so rows line up across ranks whatever ids the other ranks hold."""
-        rows = sorted(seqs, key=lambda s: s.table.kda_slot)
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].table.kda_slot)
+        rows = [seqs[i] for i in order]
         # The ranks sample (token ids come back, not logits): a step's round trip is a few
         # integers each way, and this thread does no per-row torch work.
         tokens = self.ranks.call("decode", [s.request_id for s in rows],
                                  [s.output[-1] for s in rows], [len(s.output) for s in rows])[0]
-        by_seq = {}
-        for s, t in zip(rows, tokens, strict=True):
-            s.append(t, self.eos)
-            by_seq[id(s)] = t
-        return [by_seq[id(s)] for s in seqs]
+        out = [0] * len(seqs)
+        for i, t in zip(order, tokens, strict=True):
+            seqs[i].append(t, self.eos)
+            out[i] = t
+        return out
 
     def release(self, seq: Sequence) -> None:
         self.ranks.call("free", seq.request_id)
