@@ -34,11 +34,10 @@ PDL); each compiles in well under a second, also on a CPU-only machine (CUTE_DSL
 Status on the H200 (session 17, results/kda_decode_h200_session17.json, PDL, state addressed as
 the runtime does: a pool per layer, rows in slot order): H=12 B=1 2.1 us, H=12 B=64 27.8 / 27.6
 us on two machines (88 % of the copy floor; the issue's target is 28; 27.5-27.8 in interleaved
-rounds on three, 28.0-28.5 with random slots of one large pool), H=96 B=64 209.0 / 208.4 us (1.07x the
-floor). What was
-tried against the H=12 B=64 gap (occupancy caps, shared memory staging, two-CTA splits, persistent
-grids, cache hints, early_rows, 512-thread CTAs, per-CTA timelines, the first wave), each with
-its JSON: docs/kernel_history.md.
+rounds on three, 28.0-28.5 with random slots of one large pool), H=96 B=64 209.0 / 208.4 us
+(1.07x the floor). What was tried against the H=12 B=64 gap (occupancy caps, shared memory
+staging, two-CTA splits, persistent grids, cache hints, early_rows, 512-thread CTAs, per-CTA
+timelines, the first wave), each with its JSON: docs/kernel_history.md.
 """
 from __future__ import annotations
 
