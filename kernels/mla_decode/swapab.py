@@ -240,6 +240,7 @@ CONSUMER_REGS = 240
 BAR_CONSUMER = 1            # named barrier id of consumer warpgroup c: BAR_CONSUMER + c (0 = __syncthreads)
 BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q stored, tiles done, merge)
 BAR_ORDER = 4               # two consumers, ordered S^T (opt-in): consumer c waits on id 4 + c
+LAZY_MAX_SLACK = 8.0        # lazy maxima: P up to 2^8 before the running maximum moves
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
@@ -273,6 +274,18 @@ def q_split_e4m3_reference(q):
 
 
 @dsl_user_op
+@dsl_user_op
+def _barrier_or(bar_id, n: int, pred, *, loc=None, ip=None) -> Int32:
+    """barrier.red.or.pred over the n threads of named barrier bar_id: 1 when pred != 0 in any
+    of them (a bar.sync that also ORs a predicate)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(bar_id).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred pi, po; setp.ne.u32 pi, $2, 0; "
+        f"barrier.red.or.pred po, $1, {n}, pi; selp.u32 $0, 1, 0, po; }}",
+        "=r,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 def _pow2_scale(amax, *, loc=None, ip=None) -> Float32:
     """s = 2^floor(log2(448 / max(amax, 2^-100))) (fp32 bits: the exponent of 448 / amax)."""
     return Float32(llvm.inline_asm(
@@ -353,9 +366,14 @@ class MlaDecodeSwapAbKernel:
         self.ordered = (consumers == 2
                         and env_choice("PDSERVE_MLA_SWAPAB_ORDER", ("0", "1")) == "1")
         self.num_threads = 128 * (1 + consumers)
+        # fp8 two consumers: lazy column maxima (see "lazy maxima" in the module docstring);
+        # PDSERVE_MLA_SWAPAB_LAZY=0 turns them off (A/B runs)
+        self.lazy_max = (self.kv_fp8 and consumers == 2
+                         and env_choice("PDSERVE_MLA_SWAPAB_LAZY", ("0", "1")) != "0")
+        self.p_bufs = 2 if self.lazy_max else 1       # P^T buffers per consumer
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
         fixed = (h_pad * D_QK * 2                      # Q
-                 + consumers * (h_pad * TILE_N * 2     # P^T (one per consumer)
+                 + consumers * (self.p_bufs * h_pad * TILE_N * 2     # P^T
                                 + (2 + 1) * N_WARPS * h_pad * 4)  # column maxima (2 bufs) + sums
                  + 4 * 1024)                           # mbarriers / alignment
         max_stages = MAX_STAGES_FP8 if self.kv_fp8 else MAX_STAGES
@@ -511,7 +529,8 @@ class MlaDecodeSwapAbKernel:
             sMax: cute.struct.Align[cute.struct.MemRange[Float32, nc * 2 * N_WARPS * hp], 16]
             sSum: cute.struct.Align[cute.struct.MemRange[Float32, nc * N_WARPS * hp], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[qdt, cute.cosize(sQ_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[cdt, nc * cute.cosize(sP_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[
+                cdt, nc * self.p_bufs * cute.cosize(sP_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kvt, cute.cosize(sK_layout)], 1024]
 
         # Q: gmem -> smem with cp.async, 16 bytes a copy, the 128 consumer threads
@@ -570,9 +589,9 @@ class MlaDecodeSwapAbKernel:
                 sP_all_layout = cute.tile_to_shape(
                     warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                     self.cdt),
-                    (hp, TILE_N, nc), (0, 1, 2))
-                sP = storage.sP.get_tensor(sP_all_layout.outer,
-                                           swizzle=sP_all_layout.inner)[None, None, cons]
+                    (hp, TILE_N, nc * self.p_bufs), (0, 1, 2))
+                sP_all = storage.sP.get_tensor(sP_all_layout.outer, swizzle=sP_all_layout.inner)
+                sP = sP_all[None, None, self.p_bufs * cons]
                 sMax = storage.sMax.get_tensor(cute.make_layout(
                     (nc, 2, N_WARPS, hp),
                     stride=(2 * N_WARPS * hp, N_WARPS * hp, hp, 1)))[cons, None, None, None]
@@ -681,26 +700,18 @@ class MlaDecodeSwapAbKernel:
                 else:
                     tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sK))
                     tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
-                tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))       # (MMA, 1, 4)
                 acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
                 acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((D_V, hp)))
                 acc_O.fill(0.0)
 
-                # (token, head) of each S^T element; P^T seen as [tokens, heads] and partitioned
-                # like S^T, so that element i of the S^T fragment goes to tSsP[i]
+                # (token, head) of each S^T element
                 tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_N, hp)))
-                sPt = cute.make_tensor(sP.iterator, cute.select(sP_layout.outer, mode=[1, 0]))
-                if cutlass.const_expr(self.kv_fp8):
-                    # fp8: S^T row m is token m, PV's k position m is token row_token(m): this
-                    # thread's S^T element (m, n) goes to P^T position row_token_inv(m), which is
-                    # element i of the C partition of the thread whose rows are row_token_inv of
-                    # ours (row_token only permutes bits 0-1 of m = bits 0-1 of g = lane // 4)
-                    tSsP = qk_mma.get_slice(
-                        32 * cwarp + 4 * self.row_token_inv(lane // 4) + lane % 4
-                    ).partition_C(sPt)
-                else:
-                    tSsP = thr_qk.partition_C(sPt)
+
+                # (lazy maxima: P^T buffer 0 of this consumer; the tile loop picks its buffer)
+                tOrP, tSsP = self._p_views(sP, sP_layout, qk_mma, thr_qk, thr_pv, cwarp, lane)
                 rP = cute.make_fragment_like(acc_S, self.cdt)
+                rS = cute.make_fragment_like(acc_S)          # lazy maxima: P in fp32
+                rS_mn = wgmma_c_mn_view(rS)
                 tScS_mn = wgmma_c_mn_view(tScS)
                 acc_S_mn = wgmma_c_mn_view(acc_S)
                 acc_O_mn = wgmma_c_mn_view(acc_O)
@@ -710,6 +721,7 @@ class MlaDecodeSwapAbKernel:
                 col_sum = cute.make_rmem_tensor((n_cols,), Float32)    # this thread's rows only
                 col_max.fill(-Float32.inf)
                 col_sum.fill(0.0)
+                w_max = cute.make_rmem_tensor((n_cols,), Float32)     # this warp's rows' maxima
                 n_k = cute.size(tSrQ.shape[2])
                 if cutlass.const_expr(self.kv_fp8):
                     # per-thread shared byte addresses of the raw fp8 V fragment loads (stage 0)
@@ -764,9 +776,9 @@ class MlaDecodeSwapAbKernel:
                         else:
                             self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
                         vw_first = None
-                        if cutlass.const_expr(self.pv_prefetch):
+                        if cutlass.const_expr(self.pv_prefetch and not self.lazy_max):
                             # PV's first V words, loaded now: their latency hides behind the
-                            # softmax
+                            # softmax (lazy maxima: after it, see below)
                             vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
                         if cutlass.const_expr(self.ordered):
                             if t + 1 < t_end:
@@ -798,38 +810,49 @@ class MlaDecodeSwapAbKernel:
                                 for c in cutlass.range_constexpr(n_cols):
                                     acc_S_mn[r, c] = -Float32.inf
 
-                    # column (= head) maxima: this thread's 2 rows, the 8 lanes of the column,
-                    # then the 4 warps through smem
+                    # column (= head) maxima of this warp's rows: its thread's 2 rows, then the 8
+                    # lanes of the column
                     for c in cutlass.range_constexpr(n_cols):
                         mx = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-                        mx = self._col_max(mx)
-                        if lane < 4:
-                            sMax[buf, cwarp, tScS_mn[0, c][1]] = mx
-                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
-
-                    for c in cutlass.range_constexpr(n_cols):
-                        col = tScS_mn[0, c][1]
-                        m_new = col_max[c]
-                        for w in cutlass.range_constexpr(N_WARPS):
-                            m_new = cute.arch.fmax(m_new, sMax[buf, w, col])
-                        factor = cute.math.exp2((col_max[c] - m_new) * scale_s, fastmath=True)
-                        p = cute.math.exp2(acc_S_mn[None, c].load() * scale_s
-                                           - m_new * scale_s, fastmath=True)
-                        col_sum[c] = col_sum[c] * factor + p.reduce(cute.ReductionOp.ADD,
-                                                                    Float32.zero, 0)
-                        acc_S_mn[None, c] = p
-                        acc_O_mn[None, c] = acc_O_mn[None, c].load() * factor
-                        col_max[c] = m_new
-
-                    # P^T -> smem (the previous tile's PV retired before the barrier above)
-                    rP.store(acc_S.load().to(self.cdt))
-                    for i in cutlass.range_constexpr(cute.size(rP)):
-                        tSsP[i] = rP[i]
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+                        w_max[c] = self._col_max(mx)
+                    if cutlass.const_expr(self.lazy_max):
+                        # this tile's P^T buffer (two per consumer, alternating)
+                        tOrP, tSsP = self._p_views(sP_all[None, None, 2 * cons + buf], sP_layout,
+                                                  qk_mma, thr_qk, thr_pv, cwarp, lane)
+                        # P against the running maxima as they are; exact unless a warp saw a
+                        # column rise above its maximum by more than LAZY_MAX_SLACK (log2 units),
+                        # which every warp learns from the barrier's OR; the consumer's first tile
+                        # (no maxima yet) always goes the exact way
+                        redo = Int32(1)
+                        if t >= t_begin + nc:
+                            rise = Int32(0)
+                            for c in cutlass.range_constexpr(n_cols):
+                                rise = rise | Int32((w_max[c] - col_max[c]) * scale_s
+                                                    > LAZY_MAX_SLACK)
+                            psum = cute.make_rmem_tensor((n_cols,), Float32)
+                            for c in cutlass.range_constexpr(n_cols):
+                                p = cute.math.exp2(acc_S_mn[None, c].load() * scale_s
+                                                   - col_max[c] * scale_s, fastmath=True)
+                                psum[c] = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+                                rS_mn[None, c] = p
+                            self._store_pt(rP, rS, tSsP)
+                            redo = _barrier_or(bar, 128, rise)
+                            if redo == 0:
+                                for c in cutlass.range_constexpr(n_cols):
+                                    col_sum[c] = col_sum[c] + psum[c]
+                        if redo != 0:
+                            self._softmax_exact(w_max, col_max, col_sum, acc_S, acc_S_mn, acc_O_mn,
+                                                rP, tSsP, sMax, buf, cwarp, lane, tScS_mn, bar,
+                                                scale_s)
+                    else:
+                        self._softmax_exact(w_max, col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
+                                            tSsP, sMax, buf, cwarp, lane, tScS_mn, bar, scale_s)
 
                     # O^T += V^T P^T
                     if cutlass.const_expr(self.kv_fp8):
+                        if cutlass.const_expr(self.pv_prefetch and self.lazy_max):
+                            # loaded here: 16 registers held across the lazy softmax spill
+                            vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
                         # A = V^T gathered and widened in registers; the stage is released
                         # after its last fragment load, before the last wgmma group retires
                         # the V words are zeroed past the end only on the last tile, the only
@@ -900,6 +923,58 @@ class MlaDecodeSwapAbKernel:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     self._store_o_lse(part, thr_pv.partition_C(gOpt), tOcO, heads_w,
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
+
+    def _p_views(self, sPb, sP_layout, qk_mma, thr_qk, thr_pv, cwarp, lane):
+        """PV's B fragment of the P^T buffer sPb, and sPb seen as [tokens, heads] partitioned
+        like S^T, so that element i of the S^T fragment goes to tSsP[i]."""
+        tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sPb))     # (MMA, 1, 4)
+        sPt = cute.make_tensor(sPb.iterator, cute.select(sP_layout.outer, mode=[1, 0]))
+        if cutlass.const_expr(self.kv_fp8):
+            # fp8: S^T row m is token m, PV's k position m is token row_token(m): this thread's
+            # S^T element (m, n) goes to P^T position row_token_inv(m), which is element i of the
+            # C partition of the thread whose rows are row_token_inv of ours (row_token only
+            # permutes bits 0-1 of m = bits 0-1 of g = lane // 4)
+            tSsP = qk_mma.get_slice(
+                32 * cwarp + 4 * self.row_token_inv(lane // 4) + lane % 4).partition_C(sPt)
+        else:
+            tSsP = thr_qk.partition_C(sPt)
+        return tOrP, tSsP
+
+    @cute.jit
+    def _softmax_exact(self, w_max, col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP, tSsP, sMax,
+                       buf, cwarp, lane, tScS_mn, bar, scale_s):
+        """The online softmax step of one tile from the warps' column maxima w_max: the 4
+        warps' maxima through smem, the running maxima, sums and O^T rescaled, P = S^T
+        exponentiated in place and stored to P^T (visible to the async proxy and the warpgroup
+        on return). The caller's previous PV has retired in every warp of the consumer."""
+        n_cols = cute.size(col_max)
+        for c in cutlass.range_constexpr(n_cols):
+            if lane < 4:
+                sMax[buf, cwarp, tScS_mn[0, c][1]] = w_max[c]
+        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+        for c in cutlass.range_constexpr(n_cols):
+            col = tScS_mn[0, c][1]
+            m_new = col_max[c]
+            for w in cutlass.range_constexpr(N_WARPS):
+                m_new = cute.arch.fmax(m_new, sMax[buf, w, col])
+            factor = cute.math.exp2((col_max[c] - m_new) * scale_s, fastmath=True)
+            p = cute.math.exp2(acc_S_mn[None, c].load() * scale_s - m_new * scale_s,
+                               fastmath=True)
+            col_sum[c] = col_sum[c] * factor + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            acc_S_mn[None, c] = p
+            acc_O_mn[None, c] = acc_O_mn[None, c].load() * factor
+            col_max[c] = m_new
+        self._store_pt(rP, acc_S, tSsP)
+        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+
+    @cute.jit
+    def _store_pt(self, rP, p, tSsP):
+        """P (fp32 fragment) -> P^T in smem, fenced for the async proxy (the caller's barrier
+        makes it visible to the warpgroup's PV wgmma)."""
+        rP.store(p.load().to(self.cdt))
+        for i in cutlass.range_constexpr(cute.size(rP)):
+            tSsP[i] = rP[i]
+        cute.arch.fence_proxy("async.shared", space="cta")
 
     @staticmethod
     def _bf16_copy(acc):

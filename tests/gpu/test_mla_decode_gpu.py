@@ -24,7 +24,11 @@ def _sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def make_case(lens, H, fp8, page_tokens=PAGE, seed=None):
+def make_case(lens, H, fp8, page_tokens=PAGE, seed=None, keys="random"):
+    """keys: "random"; "rising" / "falling" (each request's keys scaled from 0.02 to 1.5 of
+    random along its tokens, or back: the running maxima move many times / never after the
+    start); "spike" (random, and one token at 3/4 of each request a multiple of head 0's
+    query, so head 0's maximum jumps by ~70 nats deep inside the sequence)."""
     dev = "cuda"
     g = torch.Generator(device=dev)
     g.manual_seed(int(torch.randint(0, 2**31, (1,))) if seed is None else seed)
@@ -33,6 +37,22 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None):
     num_pages = 1 + sum(n_pages) + 2
     max_pages = max(n_pages) + 1
     cache = torch.randn(num_pages, page_tokens, 576, device=dev, generator=g)
+    perm = torch.randperm(num_pages - 1, device=dev, generator=g) + 1    # page 0 = padding
+    bt = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
+    k = 0
+    for b, n in enumerate(n_pages):
+        bt[b, :n] = perm[k:k + n].to(torch.int32)
+        k += n
+    q = torch.randn(B, H, 576, device=dev, generator=g).to(torch.bfloat16)
+    if keys != "random":
+        for b, l in enumerate(lens):
+            tok = torch.arange(l, device=dev)
+            page, row = bt[b, tok // page_tokens].long(), tok % page_tokens
+            if keys == "spike":
+                cache[page[3 * l // 4], row[3 * l // 4]] = q[b, 0].float() * 2.0 / 0.05
+            else:
+                ramp = torch.linspace(0.02, 1.5, l, device=dev)
+                cache[page, row] *= (ramp if keys == "rising" else ramp.flip(0))[:, None]
     kv_scale = None
     if fp8:
         kv_scale = 0.05
@@ -41,24 +61,18 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None):
         cache = cache.to(torch.bfloat16)
     raw = cache.view(torch.uint8)                       # NaN bytes: 0x7F (e4m3fn), 0x7FC0 (bf16)
     nan = torch.tensor([0x7F] if fp8 else [0xC0, 0x7F], dtype=torch.uint8, device=dev)
-    perm = torch.randperm(num_pages - 1, device=dev, generator=g) + 1    # page 0 = padding
-    bt = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
-    k = 0
     for b, (l, n) in enumerate(zip(lens, n_pages)):
-        bt[b, :n] = perm[k:k + n].to(torch.int32)
-        k += n
         tail = l - (n - 1) * page_tokens
         raw[bt[b, n - 1], tail:] = nan.repeat(raw.shape[-1] // nan.numel())  # past the end
     raw[0] = nan.repeat(raw.shape[-1] // nan.numel())                      # padding page
-    q = torch.randn(B, H, 576, device=dev, generator=g).to(torch.bfloat16)
     seq = torch.tensor(lens, dtype=torch.int32, device=dev)
     return q, cache, bt, seq, kv_scale
 
 
-def check(lens, H, fp8, page_tokens=PAGE, **kw):
+def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
     from pdserve.kernels.mla_decode import mla_decode_reference
     from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call
-    q, cache, bt, seq, kv_scale = make_case(lens, H, fp8, page_tokens)
+    q, cache, bt, seq, kv_scale = make_case(lens, H, fp8, page_tokens, keys=keys)
     B = len(lens)
     out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, H), float("nan"), dtype=torch.float32, device="cuda")
@@ -218,6 +232,28 @@ def test_swapab_fp8_qk_joint(consumers, num_splits, joint, monkeypatch):
     check([1, 65, 3000], 10, True, num_splits=num_splits, core="swapab", head_groups=1)
     check([129, 8192 + 17], 32, True, num_splits=num_splits, core="swapab", early_kv=True,
           head_groups=2)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("keys", ["rising", "falling", "spike", "random"])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("lazy", ["1", "0"])
+def test_swapab_fp8_lazy_maxima(lazy, num_splits, keys, monkeypatch):
+    """fp8 two consumers, lazy column maxima (on by default) and exact ones, on keys whose
+    running maxima rise through the sequence (the exact step taken on many tiles), fall (never
+    after the first tiles), jump by ~70 nats deep inside it (head 0), or are random; long
+    splits, partial last tiles, H = 32 / 24 / 12."""
+    from pdserve.kernels.mla_decode.cutedsl import kernel_config
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_LAZY", lazy)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
+    for hp in (16, 32):
+        k = kernel_config(True, hp, PAGE, core="swapab")
+        assert k.lazy_max == (lazy == "1") and k.p_bufs == (2 if lazy == "1" else 1)
+    lens = [3000, 20000 + 33, 64 * 37, 129]
+    check(lens, 32, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1)
+    check(lens[:2], 24, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1)
+    check(lens[:2], 12, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1,
+          early_kv=True)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
