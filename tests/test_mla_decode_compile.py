@@ -123,8 +123,9 @@ def test_swapab_core_refuses_bad_h_pad():
 
 # swapab fp8, two consumer warpgroups (ping-pong, the default): (h_pad) -> (stages, smem bytes
 # as kernel_config reports them); one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1): SWAPAB_FP8_ONE
-# (two consumers: an even ring, tests/test_mla_ring_protocol.py)
-SWAPAB_FP8 = {16: (4, 175616), 32: (4, 199680)}
+# (two consumers: an even ring, tests/test_mla_ring_protocol.py; two P^T buffers each for the lazy
+# maxima)
+SWAPAB_FP8 = {16: (4, 179712), 32: (4, 207872)}
 SWAPAB_FP8_ONE = {16: (5, 209664), 32: (5, 230912)}
 # the wgmma shared-memory descriptor bits (above the start address) of every fp8 S^T operand, as
 # the library encodes them for raw_layout / q8_layout: 64-byte swizzle (bits 62-63 = 2), stride
@@ -203,6 +204,9 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
             for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
     assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
                                   + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]), bars
+    # lazy maxima (the default with two fp8 consumers): one barrier.red.or per tile, the exact
+    # step's two 128-thread barriers behind it
+    assert k.lazy_max and ptx.count("barrier.red.or.pred") == 1
     # the S^T operand descriptors: SW64_DESC's fields; B starts (_fp8_s_operand_starts) as
     # 64-bit constants DESC + start / 16; A starts as 32-bit adds to the stage's start field
     assert str(_signed64(SW64_DESC)) in ptx
@@ -223,8 +227,9 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 128 + n_pairs
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32 h,") == n_pairs
     assert ptx.count("prmt.b32") == 2 * 64 + n_pairs
-    # (+ the merge: consumer 1's per-head (max, sum) as pairs of adjacent heads)
-    assert ptx.count("st.shared.v2.b32") == n_pairs // 2 + h_pad // 4
+    # (+ the merge: consumer 1's per-head (max, sum), and the exact softmax step's warp column
+    # maxima, as pairs of adjacent heads)
+    assert ptx.count("st.shared.v2.b32") == n_pairs // 2 + h_pad // 4 + h_pad // 8
     for st in ("ld.local", "st.local"):
         assert st not in ptx, st
     res = cubin_resources(cubin)

@@ -156,9 +156,10 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     (try_wait.parity of the phase after the current one reads as the completed phase before
     it): stale data, and the stage released and refilled under consumer 0. A model of the
     protocol over every order of events: tests/test_mla_ring_protocol.py.
-  * smem (kernel_config.smem_bytes): fp8 199,680 B at h_pad 32 (4 x 36 KB stages: the fifth no
-    longer fits next to a second P^T + stats), 175,616 B at h_pad 16 (4 stages: the ring stays
-    even); bf16 with 2 consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages).
+  * smem (kernel_config.smem_bytes): fp8 207,872 B at h_pad 32 (4 x 36 KB stages: the fifth no
+    longer fits next to the P^T buffers + stats; two P^T buffers per consumer for the lazy
+    maxima, below), 179,712 B at h_pad 16 (4 stages: the ring stays even); bf16 with 2
+    consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages, one P^T buffer each).
   * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
     32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers; the SASS
     (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
@@ -179,6 +180,37 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
             143.7 (49 %), B=64 L=32K 497.1 -> 413.4 (69 %), B=64 L=128K 1954.7 -> 1719.2 (66 %)
   The ordered handshake (PDSERVE_MLA_SWAPAB_ORDER=1) was within 3 % of the free-running pair
   (faster at H = 12 B=64 L=8K, slower at H = 32), so it stays off.
+
+Lazy column maxima (`lazy_max`: fp8 with two consumers, the default; PDSERVE_MLA_SWAPAB_LAZY=0
+turns them off for A/B runs). The exact online-softmax step needs every head's maximum over the
+tile's 64 tokens, which lie in the 4 warps: warp maxima through smem, a 128-thread barrier, the
+running maxima, sums and O^T rescaled, then P^T stored and a second barrier before PV. A
+per-tile clock64 trace of the H200 (session 18, fp8 H=32, two consumers; per consumer and tile,
+median SM cycles: S^T 1,808, warp maxima + exchange 440, softmax 696, P^T + barrier 378, PV
+1,557, the rest ~300; a tile every ~2,590 cycles per CTA) put ~30 % of each consumer's chain in
+the softmax. With lazy maxima a tile's step is:
+  * warp maxima w_max by shuffles only (_col_max), and rise = some column's w_max exceeds the
+    running maximum by more than LAZY_MAX_SLACK = 8 (log2 units, i.e. P <= 2^8 in fp16);
+  * P = 2^((S - m) scale_s) against the running maxima m as they are, into fp32 registers (rS),
+    its column sums kept aside (psum), P^T stored;
+  * one barrier.red.or.pred (_barrier_or) over the consumer's 128 threads: the P^T barrier that
+    also tells every warp whether any warp saw a rise;
+  * no rise: the sums are added, O^T is not rescaled, PV runs. A rise (and every consumer's
+    first tile, which has no maxima yet): the exact step from w_max (_softmax_exact: the
+    exchange, rescale, P^T rewritten, its two barriers) -- P^T is only read by PV after it.
+  m only moves in exact steps and the sums always match the P that PV used, so the result and
+  the LSE (m scale_s + log2 sum) are exact, as with the exact step on every tile; P <= 2^8
+  keeps it far inside fp16. Without the exchange barrier ahead of the P^T stores, P^T has two
+  buffers per consumer (alternating tiles): tile i + 2's stores into tile i's buffer come after
+  tile i + 1's barrier, which every warp reaches only after its PV of tile i retired. The first
+  V words of PV are loaded after the softmax (before it, the 16 registers spill next to rS).
+  Trace after the change (another H200): warp maxima 242, P + P^T 403, barrier 70, the rest
+  of the step ~100, S^T 1,731, PV 1,554: a tile every ~2,170 cycles. End to end (no trace;
+  interleaved A/B, fresh processes, results/mla_decode_h200_lazy_max_session18.json) only
+  1-3 % faster in the fp8 H=32 cells, e.g. B=8 L=128K 0.775 -> 0.790, B=64 L=8K 0.705 -> 0.720
+  of the copy floor (the trace's own clock reads and stores slow the exact step more). GPU tests:
+  test_swapab_fp8_lazy_maxima (keys whose maxima rise, fall, step by ~10 nats, random; the
+  exact step skipped after the first tile fails it).
 
 fp8 epilogue, 16-byte vector stores (_store_cols_vec): with DIM_PERM a thread's 16 O^T rows of
 one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb + 16 w + 8 r8 + g
@@ -274,7 +306,6 @@ def q_split_e4m3_reference(q):
 
 
 @dsl_user_op
-@dsl_user_op
 def _barrier_or(bar_id, n: int, pred, *, loc=None, ip=None) -> Int32:
     """barrier.red.or.pred over the n threads of named barrier bar_id: 1 when pred != 0 in any
     of them (a bar.sync that also ORs a predicate)."""
@@ -286,6 +317,7 @@ def _barrier_or(bar_id, n: int, pred, *, loc=None, ip=None) -> Int32:
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
 def _pow2_scale(amax, *, loc=None, ip=None) -> Float32:
     """s = 2^floor(log2(448 / max(amax, 2^-100))) (fp32 bits: the exponent of 448 / amax)."""
     return Float32(llvm.inline_asm(
