@@ -847,6 +847,8 @@ class MlaDecodeSwapAbKernel:
                     for c in cutlass.range_constexpr(n_cols):
                         mx = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
                         w_max[c] = self._col_max(mx)
+                        if cutlass.const_expr(not self.lazy_max):
+                            self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
                     if cutlass.const_expr(self.lazy_max):
                         # this tile's P^T buffer (two per consumer, alternating)
                         tOrP, tSsP = self._p_views(sP_all[None, None, 2 * cons + buf], sP_layout,
@@ -873,12 +875,13 @@ class MlaDecodeSwapAbKernel:
                                 for c in cutlass.range_constexpr(n_cols):
                                     col_sum[c] = col_sum[c] + psum[c]
                         if redo != 0:
-                            self._softmax_exact(w_max, col_max, col_sum, acc_S, acc_S_mn, acc_O_mn,
-                                                rP, tSsP, sMax, buf, cwarp, lane, tScS_mn, bar,
-                                                scale_s)
+                            for c in cutlass.range_constexpr(n_cols):
+                                self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
+                            self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
+                                                tSsP, sMax, buf, tScS_mn, bar, scale_s)
                     else:
-                        self._softmax_exact(w_max, col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
-                                            tSsP, sMax, buf, cwarp, lane, tScS_mn, bar, scale_s)
+                        self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP, tSsP,
+                                            sMax, buf, tScS_mn, bar, scale_s)
 
                     # O^T += V^T P^T
                     if cutlass.const_expr(self.kv_fp8):
@@ -973,16 +976,20 @@ class MlaDecodeSwapAbKernel:
         return tOrP, tSsP
 
     @cute.jit
-    def _softmax_exact(self, w_max, col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP, tSsP, sMax,
-                       buf, cwarp, lane, tScS_mn, bar, scale_s):
-        """The online softmax step of one tile from the warps' column maxima w_max: the 4
-        warps' maxima through smem, the running maxima, sums and O^T rescaled, P = S^T
-        exponentiated in place and stored to P^T (visible to the async proxy and the warpgroup
-        on return). The caller's previous PV has retired in every warp of the consumer."""
+    def _publish_max(self, w_max, sMax, buf, cwarp, lane, tScS_mn, c: cutlass.Constexpr):
+        """This warp's maximum of column c -> sMax[buf, warp, head] (one lane per column)."""
+        if lane < 4:
+            sMax[buf, cwarp, tScS_mn[0, c][1]] = w_max[c]
+
+    @cute.jit
+    def _softmax_exact(self, col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP, tSsP, sMax, buf,
+                       tScS_mn, bar, scale_s):
+        """The online softmax step of one tile once every warp has published its column maxima
+        (_publish_max): the 4 warps' maxima through smem, the running maxima, sums and O^T
+        rescaled, P = S^T exponentiated in place and stored to P^T (visible to the async proxy
+        and the warpgroup on return). The caller's previous PV has retired in every warp of the
+        consumer."""
         n_cols = cute.size(col_max)
-        for c in cutlass.range_constexpr(n_cols):
-            if lane < 4:
-                sMax[buf, cwarp, tScS_mn[0, c][1]] = w_max[c]
         cute.arch.barrier(barrier_id=bar, number_of_threads=128)
         for c in cutlass.range_constexpr(n_cols):
             col = tScS_mn[0, c][1]
