@@ -26,14 +26,16 @@ Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 
 the sigmoid output gate.
 
 Status on the H200 (figures of record: benchmarks/results/
-mla_decode_h200_auto_early_kv_session14.json, commit 85d38d5, early_kv; 314 GPU tests passed
-on that machine; what each session tried: docs/kernel_history.md): fraction of the copy floor
-where B x L >= 256K: bf16 0.94-1.05 (H = 12), 0.88-1.03 (H = 32); fp8 0.77-0.98 (H = 12),
-0.63-0.74 (H = 32; these cells run at h_pad 32, unchanged since session 12, and move by up to
-15 % between machines). B = 1, L = 8K: bf16 7.3 / 10.0 us, fp8 8.6 / 10.0 (H = 12 / 32; fp8
-H = 32 9.87-10.02 over three machines, session 13: 10.1). Session 14 made the fp8 two-consumer
-ring even (swapab.py: an odd one let a consumer read a stage before its TMA landed) and the
-joint S^T the default at h_pad 16. The session-8 figures below are the earlier record.
+mla_decode_h200_auto_early_kv_session18.json, machine ...162274, lazy maxima in the fp8
+two-consumer kernel (swapab.py), early_kv; 467 GPU tests passed on that machine; what each
+session tried: docs/kernel_history.md): fraction of the copy floor where B x L >= 256K: bf16
+0.93-1.05 (H = 12), 0.87-1.04 (H = 32); fp8 0.76-0.98 (H = 12), 0.66-0.78 (H = 32: B=8 L=32K
+0.66, B=64 L=8K 0.70 and B=64 L=128K 0.71 are below 0.75; these cells move by up to ~15 %
+between machines and page placements). B = 1, L = 8K: bf16 7.4 / 10.1 us, fp8 8.8 / 9.9 (H = 12
+/ 32; those paths are unchanged since session 14, where they took 7.3 / 10.0 and 8.6 / 10.0).
+Session 14 made the fp8 two-consumer ring even (swapab.py: an odd one let a consumer read a
+stage before its TMA landed) and the joint S^T the default at h_pad 16 (its figures:
+_session14.json). The session-8 figures below are the earlier record.
 
 Status on the H200 (2026-11-30, session 8, commit 8d739a4; CUDA-graph medians, >= 16 calls
 per graph; benchmarks/results/mla_decode_h200_auto.json and _auto_early_kv.json):
