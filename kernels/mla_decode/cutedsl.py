@@ -26,8 +26,8 @@ Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 
 the sigmoid output gate.
 
 Status on the H200 (figures of record: benchmarks/results/
-mla_decode_h200_auto_early_kv_session18.json, machine ...162274, lazy maxima in the fp8
-two-consumer kernel (swapab.py), early_kv; 467 GPU tests passed on that machine; what each
+mla_decode_h200_auto_early_kv_session18.json, machine ...162274, commit a272f0d, lazy maxima in
+the fp8 two-consumer kernel (swapab.py), early_kv; 467 GPU tests passed on that machine; what each
 session tried: docs/kernel_history.md): fraction of the copy floor where B x L >= 256K: bf16
 0.93-1.05 (H = 12), 0.87-1.04 (H = 32); fp8 0.76-0.98 (H = 12), 0.66-0.78 (H = 32: B=8 L=32K
 0.66, B=64 L=8K 0.70 and B=64 L=128K 0.71 are below 0.75; these cells move by up to ~15 %

@@ -163,7 +163,7 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
   * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
     32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers; the SASS
     (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
-    LDL / STL.
+    LDL / STL (with the lazy maxima, session 18: up to R236 / R200, still none).
   * ring depth at h_pad 32: with each consumer holding one stage while it computes, 2 of the 4
     stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage (sSum
     aliased onto sMax, exactly 232,448 B = SMEM_LIMIT) ran on the H200 in session 7 and was
