@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-
 from pdserve.kernels.mla_decode.swapab import LAZY_MAX_SLACK
 
 TILE, WARP_ROWS = 64, 16
