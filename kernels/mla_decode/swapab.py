@@ -210,7 +210,8 @@ the softmax. With lazy maxima a tile's step is:
   1-3 % faster in the fp8 H=32 cells, e.g. B=8 L=128K 0.775 -> 0.790, B=64 L=8K 0.705 -> 0.720
   of the copy floor (the trace's own clock reads and stores slow the exact step more). GPU tests:
   test_swapab_fp8_lazy_maxima (keys whose maxima rise, fall, step by ~10 nats, random; the
-  exact step skipped after the first tile fails it).
+  exact step skipped after the first tile fails it); in CI, a CPU model of the numerics
+  (tests/test_mla_lazy_maxima_model.py: exact against float64, P within 2^LAZY_MAX_SLACK).
 
 fp8 epilogue, 16-byte vector stores (_store_cols_vec): with DIM_PERM a thread's 16 O^T rows of
 one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb + 16 w + 8 r8 + g
