@@ -261,6 +261,21 @@ def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
     assert fn.artifacts.PTX.count("setmaxnreg") == 2
 
 
+def test_swapab_lazy_switch_is_part_of_the_compile_cache_key(monkeypatch):
+    """PDSERVE_MLA_SWAPAB_LAZY=0 in a process that already compiled the lazy kernel gets the
+    exact one (the launcher's process cache is keyed by it), and back; the exact variant has
+    one P^T buffer per consumer and no barrier.red."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
+    lazy_k, lazy_fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_LAZY", "0")
+    exact_k, exact_fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
+    assert lazy_k.lazy_max and not exact_k.lazy_max
+    assert (lazy_k.p_bufs, exact_k.p_bufs) == (2, 1)
+    assert exact_fn is not lazy_fn
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_LAZY", "1")
+    assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is lazy_fn
+
+
 @pytest.mark.parametrize("h_pad", [16, 32])
 def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
     """PDSERVE_MLA_SWAPAB_ORDER=1 (two consumers): the S^T phases in tile order through named
