@@ -46,6 +46,17 @@ def parse_variants(text):
     return out
 
 
+def parse_cells(text):
+    """'B:L:H:fp8|bf16,...' -> [(B, L, H, dtype)], refusing anything else by name."""
+    cells = []
+    for cell in text.split(","):
+        parts = cell.split(":")
+        if len(parts) != 4 or parts[3] not in ("fp8", "bf16") or not all(p.isdigit() for p in parts[:3]):
+            raise SystemExit(f"cell {cell!r}: expected B:L:H:fp8|bf16")
+        cells.append((int(parts[0]), int(parts[1]), int(parts[2]), parts[3]))
+    return cells
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", required=True, help="NAME:KEY=VALUE+...;NAME2:... (see module doc)")
@@ -55,10 +66,7 @@ def main(argv=None):
     ap.add_argument("--json", default="benchmarks/results/mla_decode_h200_ab.json")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants)
-    for cell in args.cells.split(","):
-        parts = cell.split(":")
-        if len(parts) != 4 or parts[3] not in ("fp8", "bf16") or not all(p.isdigit() for p in parts[:3]):
-            raise SystemExit(f"cell {cell!r}: expected B:L:H:fp8|bf16")
+    parse_cells(args.cells)
     here = os.path.dirname(os.path.abspath(__file__))
     rows = []
     for r in range(args.rounds):
