@@ -22,13 +22,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment
 
+# the child gets the cells parse_cells made, as JSON [[B, L, H, dtype], ...]
 CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
 import mla_decode
-for cell in sys.argv[1].split(","):
-    b, l, h, dt = cell.split(":")
-    row = mla_decode.bench_one(int(b), int(l), int(h), dt == "fp8", early_kv=True)
+for b, l, h, dt in json.loads(sys.argv[1]):
+    row = mla_decode.bench_one(b, l, h, dt == "fp8", early_kv=True)
     print("ROW " + json.dumps(row), flush=True)
 """
 
@@ -66,14 +66,14 @@ def main(argv=None):
     ap.add_argument("--json", default="benchmarks/results/mla_decode_h200_ab.json")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants)
-    parse_cells(args.cells)
+    cells = json.dumps(parse_cells(args.cells))
     here = os.path.dirname(os.path.abspath(__file__))
     rows = []
     for r in range(args.rounds):
         for name, env in variants:
             print(f"round {r} variant {name} {env}", flush=True)
             try:
-                p = subprocess.run([sys.executable, "-c", CHILD, args.cells, here],
+                p = subprocess.run([sys.executable, "-c", CHILD, cells, here],
                                    env=dict(os.environ, **env), capture_output=True, text=True,
                                    timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
