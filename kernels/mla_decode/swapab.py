@@ -399,10 +399,13 @@ class MlaDecodeSwapAbKernel:
         self.ordered = (consumers == 2
                         and env_choice("PDSERVE_MLA_SWAPAB_ORDER", ("0", "1")) == "1")
         self.num_threads = 128 * (1 + consumers)
-        # fp8 two consumers: lazy column maxima (see "lazy maxima" in the module docstring);
-        # PDSERVE_MLA_SWAPAB_LAZY=0 turns them off (A/B runs)
-        self.lazy_max = (self.kv_fp8 and consumers == 2
-                         and env_choice("PDSERVE_MLA_SWAPAB_LAZY", ("0", "1")) != "0")
+        # fp8 two consumers: lazy column maxima (see "lazy maxima" in the module docstring).
+        # PDSERVE_MLA_SWAPAB_LAZY (A/B runs): 0 off; 1 the rise checked on warp maxima, blocking
+        # stage wait (session 18); 2 checked per thread; 3 (default) per thread, and the next
+        # tile's stage probed before PV
+        lazy = env_choice("PDSERVE_MLA_SWAPAB_LAZY", ("0", "1", "2", "3")) or "3"
+        self.lazy_max = self.kv_fp8 and consumers == 2 and lazy != "0"
+        self.lazy_level = int(lazy) if self.lazy_max else 0
         self.p_bufs = 2 if self.lazy_max else 1       # P^T buffers per consumer
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
         fixed = (h_pad * D_QK * 2                      # Q
@@ -421,6 +424,8 @@ class MlaDecodeSwapAbKernel:
             # tests/test_mla_ring_protocol.py)
             self.stages -= self.stages % 2
         assert self.stages >= 2 and self.stages % consumers == 0, (self.stages, consumers)
+        # the lazy maxima's stage probe for tile t + 2 must not land on tile t's own stage
+        assert self.lazy_level < 3 or self.stages >= 4, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
@@ -782,12 +787,20 @@ class MlaDecodeSwapAbKernel:
                     # (i // stages) % 2); consumer c waits on i = c, c + 2, ...: its state starts
                     # c stages in and moves 2 a tile (the other consumer's stage in between)
                     consumer.advance(cons)
+                # lazy maxima: the next tile's stage is probed (try_wait) before this tile's PV,
+                # so that its wait at the loop top costs nothing once the TMA has landed. Safe
+                # against the parity aliasing of an even ring (see `stages`): the consumer has
+                # waited on the stage's previous fill (tile t - 2) before it probes for t + 2
+                ready = cutlass.Boolean(False)
                 for t in cutlass.range(t_begin + cons, t_end, nc, unroll=1):
                     if cutlass.const_expr(nc == 1):
                         h = consumer.wait_and_advance()
                         buf = (t - t_begin) % 2
                     else:
-                        h = consumer.wait()
+                        if cutlass.const_expr(self.lazy_level >= 3):
+                            h = consumer.wait(ready)
+                        else:
+                            h = consumer.wait()
                         consumer.advance(2)
                         buf = ((t - t_begin) // 2) % 2     # this consumer's tile count % 2
                     kstage = h.index
@@ -843,21 +856,23 @@ class MlaDecodeSwapAbKernel:
                                 for c in cutlass.range_constexpr(n_cols):
                                     acc_S_mn[r, c] = -Float32.inf
 
-                    # column (= head) maxima of this warp's rows: its thread's 2 rows, then the 8
-                    # lanes of the column
+                    # column (= head) maxima of this thread's 2 rows; exact step: of the warp's
+                    # rows (the 8 lanes of the column), published to the other warps
                     for c in cutlass.range_constexpr(n_cols):
-                        mx = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-                        w_max[c] = self._col_max(mx)
+                        w_max[c] = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX,
+                                                                   -Float32.inf, 0)
+                        if cutlass.const_expr(self.lazy_level < 2):
+                            w_max[c] = self._col_max(w_max[c])
                         if cutlass.const_expr(not self.lazy_max):
                             self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
                     if cutlass.const_expr(self.lazy_max):
                         # this tile's P^T buffer (two per consumer, alternating)
                         tOrP, tSsP = self._p_views(sP_all[None, None, 2 * cons + buf], sP_layout,
                                                   qk_mma, thr_qk, thr_pv, cwarp, lane)
-                        # P against the running maxima as they are; exact unless a warp saw a
+                        # P against the running maxima as they are; exact unless a thread saw a
                         # column rise above its maximum by more than LAZY_MAX_SLACK (log2 units),
-                        # which every warp learns from the barrier's OR; the consumer's first tile
-                        # (no maxima yet) always goes the exact way
+                        # which every warp learns from the barrier's OR (so no shuffles here);
+                        # the consumer's first tile (no maxima yet) always goes the exact way
                         redo = Int32(1)
                         if t >= t_begin + nc:
                             rise = Int32(0)
@@ -877,6 +892,8 @@ class MlaDecodeSwapAbKernel:
                                     col_sum[c] = col_sum[c] + psum[c]
                         if redo != 0:
                             for c in cutlass.range_constexpr(n_cols):
+                                if cutlass.const_expr(self.lazy_level >= 2):
+                                    w_max[c] = self._col_max(w_max[c])
                                 self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
                             self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
                                                 tSsP, sMax, buf, tScS_mn, bar, scale_s)
@@ -885,6 +902,8 @@ class MlaDecodeSwapAbKernel:
                                             sMax, buf, tScS_mn, bar, scale_s)
 
                     # O^T += V^T P^T
+                    if cutlass.const_expr(self.lazy_level >= 3):
+                        ready = consumer.try_wait()
                     if cutlass.const_expr(self.kv_fp8):
                         if cutlass.const_expr(self.pv_prefetch and self.lazy_max):
                             # loaded here: 16 registers held across the lazy softmax spill
