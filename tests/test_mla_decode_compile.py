@@ -227,9 +227,9 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 128 + n_pairs
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32 h,") == n_pairs
     assert ptx.count("prmt.b32") == 2 * 64 + n_pairs
-    # (+ the merge: consumer 1's per-head (max, sum), and the exact softmax step's warp column
-    # maxima, as pairs of adjacent heads)
-    assert ptx.count("st.shared.v2.b32") == n_pairs // 2 + h_pad // 4 + h_pad // 8
+    # (+ the merge: consumer 1's per-head (max, sum) as pairs of adjacent heads; the exact
+    # softmax step's warp column maxima are stored one by one after their shuffles)
+    assert ptx.count("st.shared.v2.b32") == n_pairs // 2 + h_pad // 4
     for st in ("ld.local", "st.local"):
         assert st not in ptx, st
     res = cubin_resources(cubin)
@@ -272,8 +272,12 @@ def test_swapab_lazy_switch_is_part_of_the_compile_cache_key(monkeypatch):
     assert lazy_k.lazy_max and not exact_k.lazy_max
     assert (lazy_k.p_bufs, exact_k.p_bufs) == (2, 1)
     assert exact_fn is not lazy_fn
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_LAZY", "1")
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_LAZY")
     assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is lazy_fn
+    for level in ("1", "2"):            # the A/B levels are distinct variants too
+        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_LAZY", level)
+        k, fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
+        assert k.lazy_level == int(level) and fn is not lazy_fn and fn is not exact_fn
 
 
 @pytest.mark.parametrize("h_pad", [16, 32])

@@ -212,6 +212,15 @@ the softmax. With lazy maxima a tile's step is:
   test_swapab_fp8_lazy_maxima (keys whose maxima rise, fall, step by ~10 nats, random; the
   exact step skipped after the first tile fails it); in CI, a CPU model of the numerics
   (tests/test_mla_lazy_maxima_model.py: exact against float64, P within 2^LAZY_MAX_SLACK).
+  Levels (PDSERVE_MLA_SWAPAB_LAZY, lazy_level; branch mla-lazy-thread-check, NOT YET RUN ON A
+  GPU): 1 = the above (session 18); 2 = the rise checked on each thread's own 2 rows (the same
+  OR over the warpgroup, so the same decision) and the warp shuffles done only in the exact
+  step: the ~240-cycle warp-maxima phase of the trace becomes a compare per column; 3 (the
+  branch's default) = 2, and the next tile's stage probed (mbarrier try_wait) before this
+  tile's PV, so the loop-top wait (~135 cycles in the trace) returns at once when the TMA has
+  landed. The probe for tile t + 2 is safe from the even ring's parity aliasing because the
+  consumer already waited on that stage's previous fill (tile t - 2); it needs >= 4 stages
+  (asserted). 0 = exact step on every tile.
 
 fp8 epilogue, 16-byte vector stores (_store_cols_vec): with DIM_PERM a thread's 16 O^T rows of
 one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb + 16 w + 8 r8 + g
