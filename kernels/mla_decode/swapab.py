@@ -212,15 +212,13 @@ the softmax. With lazy maxima a tile's step is:
   test_swapab_fp8_lazy_maxima (keys whose maxima rise, fall, step by ~10 nats, random; the
   exact step skipped after the first tile fails it); in CI, a CPU model of the numerics
   (tests/test_mla_lazy_maxima_model.py: exact against float64, P within 2^LAZY_MAX_SLACK).
-  Levels (PDSERVE_MLA_SWAPAB_LAZY, lazy_level; branch mla-lazy-thread-check, NOT YET RUN ON A
-  GPU): 1 = the above (session 18); 2 = the rise checked on each thread's own 2 rows (the same
-  OR over the warpgroup, so the same decision) and the warp shuffles done only in the exact
-  step: the ~240-cycle warp-maxima phase of the trace becomes a compare per column; 3 (the
-  branch's default) = 2, and the next tile's stage probed (mbarrier try_wait) before this
-  tile's PV, so the loop-top wait (~135 cycles in the trace) returns at once when the TMA has
-  landed. The probe for tile t + 2 is safe from the even ring's parity aliasing because the
-  consumer already waited on that stage's previous fill (tile t - 2); it needs >= 4 stages
-  (asserted). 0 = exact step on every tile.
+  Session 19: the rise is checked on each thread's own 2 rows (the same OR over the warpgroup,
+  so the same decision) and the warp shuffles run only in the exact step: the ~240-cycle
+  warp-maxima phase becomes a compare per column. Interleaved A/B on an H200
+  (results/mla_decode_h200_session19.json): +2-3 % over the warp-maxima check in the fp8 H=32
+  cells (B=8 L=32K 0.650 -> 0.676, B=64 L=8K 0.709 -> 0.728, B=64 L=128K 0.703 -> 0.723). A
+  probe (mbarrier try_wait) of the next tile's stage before PV, to make the loop-top wait free,
+  was tried with it and not kept (-1 to -6 % at B=8 L=32K and B=64 L=8K).
 
 fp8 epilogue, 16-byte vector stores (_store_cols_vec): with DIM_PERM a thread's 16 O^T rows of
 one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb + 16 w + 8 r8 + g
@@ -408,13 +406,10 @@ class MlaDecodeSwapAbKernel:
         self.ordered = (consumers == 2
                         and env_choice("PDSERVE_MLA_SWAPAB_ORDER", ("0", "1")) == "1")
         self.num_threads = 128 * (1 + consumers)
-        # fp8 two consumers: lazy column maxima (see "lazy maxima" in the module docstring).
-        # PDSERVE_MLA_SWAPAB_LAZY (A/B runs): 0 off; 1 the rise checked on warp maxima, blocking
-        # stage wait (session 18); 2 checked per thread; 3 (default) per thread, and the next
-        # tile's stage probed before PV
-        lazy = env_choice("PDSERVE_MLA_SWAPAB_LAZY", ("0", "1", "2", "3")) or "3"
-        self.lazy_max = self.kv_fp8 and consumers == 2 and lazy != "0"
-        self.lazy_level = int(lazy) if self.lazy_max else 0
+        # fp8 two consumers: lazy column maxima (see "lazy maxima" in the module docstring);
+        # PDSERVE_MLA_SWAPAB_LAZY=0 turns them off (A/B runs)
+        self.lazy_max = (self.kv_fp8 and consumers == 2
+                         and env_choice("PDSERVE_MLA_SWAPAB_LAZY", ("0", "1")) != "0")
         self.p_bufs = 2 if self.lazy_max else 1       # P^T buffers per consumer
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
         fixed = (h_pad * D_QK * 2                      # Q
@@ -433,8 +428,6 @@ class MlaDecodeSwapAbKernel:
             # tests/test_mla_ring_protocol.py)
             self.stages -= self.stages % 2
         assert self.stages >= 2 and self.stages % consumers == 0, (self.stages, consumers)
-        # the lazy maxima's stage probe for tile t + 2 must not land on tile t's own stage
-        assert self.lazy_level < 3 or self.stages >= 4, self.stages
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
@@ -796,20 +789,12 @@ class MlaDecodeSwapAbKernel:
                     # (i // stages) % 2); consumer c waits on i = c, c + 2, ...: its state starts
                     # c stages in and moves 2 a tile (the other consumer's stage in between)
                     consumer.advance(cons)
-                # lazy maxima: the next tile's stage is probed (try_wait) before this tile's PV,
-                # so that its wait at the loop top costs nothing once the TMA has landed. Safe
-                # against the parity aliasing of an even ring (see `stages`): the consumer has
-                # waited on the stage's previous fill (tile t - 2) before it probes for t + 2
-                ready = cutlass.Boolean(False)
                 for t in cutlass.range(t_begin + cons, t_end, nc, unroll=1):
                     if cutlass.const_expr(nc == 1):
                         h = consumer.wait_and_advance()
                         buf = (t - t_begin) % 2
                     else:
-                        if cutlass.const_expr(self.lazy_level >= 3):
-                            h = consumer.wait(ready)
-                        else:
-                            h = consumer.wait()
+                        h = consumer.wait()
                         consumer.advance(2)
                         buf = ((t - t_begin) // 2) % 2     # this consumer's tile count % 2
                     kstage = h.index
@@ -870,9 +855,8 @@ class MlaDecodeSwapAbKernel:
                     for c in cutlass.range_constexpr(n_cols):
                         w_max[c] = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX,
                                                                    -Float32.inf, 0)
-                        if cutlass.const_expr(self.lazy_level < 2):
-                            w_max[c] = self._col_max(w_max[c])
                         if cutlass.const_expr(not self.lazy_max):
+                            w_max[c] = self._col_max(w_max[c])
                             self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
                     if cutlass.const_expr(self.lazy_max):
                         # this tile's P^T buffer (two per consumer, alternating)
@@ -901,8 +885,7 @@ class MlaDecodeSwapAbKernel:
                                     col_sum[c] = col_sum[c] + psum[c]
                         if redo != 0:
                             for c in cutlass.range_constexpr(n_cols):
-                                if cutlass.const_expr(self.lazy_level >= 2):
-                                    w_max[c] = self._col_max(w_max[c])
+                                w_max[c] = self._col_max(w_max[c])
                                 self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
                             self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
                                                 tSsP, sMax, buf, tScS_mn, bar, scale_s)
@@ -911,8 +894,6 @@ class MlaDecodeSwapAbKernel:
                                             sMax, buf, tScS_mn, bar, scale_s)
 
                     # O^T += V^T P^T
-                    if cutlass.const_expr(self.lazy_level >= 3):
-                        ready = consumer.try_wait()
                     if cutlass.const_expr(self.kv_fp8):
                         if cutlass.const_expr(self.pv_prefetch and self.lazy_max):
                             # loaded here: 16 registers held across the lazy softmax spill
