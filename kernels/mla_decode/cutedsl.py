@@ -26,13 +26,13 @@ Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 
 the sigmoid output gate.
 
 Status on the H200 (figures of record: benchmarks/results/
-mla_decode_h200_auto_early_kv_session18.json, machine ...162274, commit a272f0d, lazy maxima in
-the fp8 two-consumer kernel (swapab.py), early_kv; 467 GPU tests passed on that machine; what each
-session tried: docs/kernel_history.md): fraction of the copy floor where B x L >= 256K: bf16
-0.93-1.05 (H = 12), 0.87-1.04 (H = 32); fp8 0.76-0.98 (H = 12), 0.66-0.78 (H = 32: B=8 L=32K
-0.66, B=64 L=8K 0.70 and B=64 L=128K 0.71 are below 0.75; these cells move by up to ~15 %
-between machines and page placements). B = 1, L = 8K: bf16 7.4 / 10.1 us, fp8 8.8 / 9.9 (H = 12
-/ 32; those paths are unchanged since session 14, where they took 7.3 / 10.0 and 8.6 / 10.0).
+mla_decode_h200_auto_early_kv_session19.json, machine ...032740, commit b33623d, lazy maxima with
+the per-thread rise check in the fp8 two-consumer kernel (swapab.py), early_kv; 467 GPU tests
+passed on that machine; what each session tried: docs/kernel_history.md): fraction of the copy
+floor where B x L >= 256K: bf16 0.95-1.07 (H = 12), 0.89-1.07 (H = 32); fp8 0.78-1.02 (H = 12),
+0.69-0.83 (H = 32: B=8 L=32K 0.69, B=64 L=8K 0.73 and B=64 L=128K 0.7499 are below 0.75; these
+cells move by up to ~15 % between machines and page placements). B = 1, L = 8K: bf16 7.3 / 9.9
+us, fp8 8.8 / 10.0 (H = 12 / 32). Session 18's figures: _session18.json.
 Session 14 made the fp8 two-consumer ring even (swapab.py: an odd one let a consumer read a
 stage before its TMA landed) and the joint S^T the default at h_pad 16 (its figures:
 _session14.json). The session-8 figures below are the earlier record.
