@@ -248,7 +248,7 @@ def test_swapab_fp8_lazy_maxima(lazy, num_splits, keys, monkeypatch):
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
     for hp in (16, 32):
         k = kernel_config(True, hp, PAGE, core="swapab")
-        assert k.lazy_max == (lazy == "1") and k.p_bufs == (1 if lazy == "0" else 2)
+        assert k.lazy_max == (lazy == "1") and k.p_bufs == (2 if lazy == "1" else 1)
     lens = [3000, 20000 + 33, 64 * 37, 129]
     check(lens, 32, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1)
     check(lens[:2], 24, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1)
