@@ -31,8 +31,9 @@ the per-thread rise check in the fp8 two-consumer kernel (swapab.py), early_kv; 
 passed on that machine; what each session tried: docs/kernel_history.md): fraction of the copy
 floor where B x L >= 256K: bf16 0.95-1.07 (H = 12), 0.89-1.07 (H = 32); fp8 0.78-1.02 (H = 12),
 0.69-0.83 (H = 32: B=8 L=32K 0.69, B=64 L=8K 0.73 and B=64 L=128K 0.7499 are below 0.75; these
-cells move by up to ~15 % between machines and page placements). B = 1, L = 8K: bf16 7.3 / 9.9
-us, fp8 8.8 / 10.0 (H = 12 / 32). Session 18's figures: _session18.json.
+cells move by up to ~15 % between machines and page placements; the long ones run at the
+H200's 700 W power cap, 1.4-1.5 GHz, kernel_history.md session 19). B = 1, L = 8K: bf16 7.3 /
+9.9 us, fp8 8.8 / 10.0 (H = 12 / 32). Session 18's figures: _session18.json.
 Session 14 made the fp8 two-consumer ring even (swapab.py: an odd one let a consumer read a
 stage before its TMA landed) and the joint S^T the default at h_pad 16 (its figures:
 _session14.json). The session-8 figures below are the earlier record.
