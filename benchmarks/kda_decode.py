@@ -164,9 +164,13 @@ class Cell:
         self.cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
         self.n_calls = max(self.n_sets, MIN_CALLS)
 
+    def call_set(self, i):
+        """(state pool, conv pool, slot indices) of call i."""
+        return self.sets[i % self.n_sets]
+
     def args(self, i):
         """Keyword arguments of the kernel for call i."""
-        state, conv, slots = self.sets[i % self.n_sets]
+        state, conv, slots = self.call_set(i)
         return dict(q=self.q, k=self.k, v=self.v, g_out=self.g_out, f=self.f,
                     beta_raw=self.beta_raw, conv_weight=self.conv_weight, A_log=self.A_log,
                     dt_bias=self.dt_bias, norm_weight=self.norm_weight, eps=EPS,
@@ -203,7 +207,7 @@ def parse_variant(name):
 
 def torch_conv(cell, i):
     """Stock conv part in torch: causal conv update + SiLU over [q|k|v], state rolled in place."""
-    _, conv, slots = cell.sets[i % cell.n_sets]
+    _, conv, slots = cell.call_set(i)
     x = torch.cat([cell.q, cell.k, cell.v], dim=1)                    # [B, 3HD]
     idx = slots.long()
     win = torch.cat([conv[idx], x[:, None]], dim=1)                   # [B, W, 3HD]
@@ -223,7 +227,7 @@ def fla_core(cell, i, qkv=None):
         warnings.simplefilter("ignore")
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     B, H = cell.B, cell.H
-    state, _, slots = cell.sets[i % cell.n_sets]
+    state, _, slots = cell.call_set(i)
     if qkv is None:
         q = cell.q.view(1, B, H, D)
         k = cell.k.view(1, B, H, D)

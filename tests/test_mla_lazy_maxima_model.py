@@ -2,7 +2,8 @@
 
 One head's scores in log2 units, 64-token tiles of 4 warps x 16 token rows. The running maximum
 moves only in an exact step: the first tile, or a tile where some warp's maximum exceeds it by
-more than LAZY_MAX_SLACK. Otherwise P = 2^(s - m) is taken against the maximum as it is. P goes
+more than LAZY_MAX_SLACK (the kernel checks each thread's rows and ORs the result over the
+warpgroup: the same decision). Otherwise P = 2^(s - m) is taken against the maximum as it is. P goes
 to fp16 as PV reads it; the sums, O and the rescale stay fp32. One consumer only: the kernel's
 two consumers each run this on their own tiles and are merged exactly afterwards.
 

@@ -189,15 +189,18 @@ per-tile clock64 trace of the H200 (session 18, fp8 H=32, two consumers; per con
 median SM cycles: S^T 1,808, warp maxima + exchange 440, softmax 696, P^T + barrier 378, PV
 1,557, the rest ~300; a tile every ~2,590 cycles per CTA) put ~30 % of each consumer's chain in
 the softmax. With lazy maxima a tile's step is:
-  * warp maxima w_max by shuffles only (_col_max), and rise = some column's w_max exceeds the
-    running maximum by more than LAZY_MAX_SLACK = 8 (log2 units, i.e. P <= 2^8 in fp16);
+  * w_max = the column maxima of the thread's own 2 rows, and rise = some column's w_max
+    exceeds the running maximum by more than LAZY_MAX_SLACK = 8 (log2 units, i.e. P <= 2^8 in
+    fp16); no shuffles;
   * P = 2^((S - m) scale_s) against the running maxima m as they are, into fp32 registers (rS),
     its column sums kept aside (psum), P^T stored;
   * one barrier.red.or.pred (_barrier_or) over the consumer's 128 threads: the P^T barrier that
-    also tells every warp whether any warp saw a rise;
+    also tells every thread whether any thread saw a rise (the same decision as on the tile's
+    maxima);
   * no rise: the sums are added, O^T is not rescaled, PV runs. A rise (and every consumer's
-    first tile, which has no maxima yet): the exact step from w_max (_softmax_exact: the
-    exchange, rescale, P^T rewritten, its two barriers) -- P^T is only read by PV after it.
+    first tile, which has no maxima yet): the warp maxima from w_max by shuffles (_col_max),
+    then the exact step (_softmax_exact: the exchange, rescale, P^T rewritten, its two
+    barriers) -- P^T is only read by PV after it.
   m only moves in exact steps and the sums always match the P that PV used, so the result and
   the LSE (m scale_s + log2 sum) are exact, as with the exact step on every tile; P <= 2^8
   keeps it far inside fp16. Without the exchange barrier ahead of the P^T stores, P^T has two
@@ -212,8 +215,8 @@ the softmax. With lazy maxima a tile's step is:
   test_swapab_fp8_lazy_maxima (keys whose maxima rise, fall, step by ~10 nats, random; the
   exact step skipped after the first tile fails it); in CI, a CPU model of the numerics
   (tests/test_mla_lazy_maxima_model.py: exact against float64, P within 2^LAZY_MAX_SLACK).
-  Session 19: the rise is checked on each thread's own 2 rows (the same OR over the warpgroup,
-  so the same decision) and the warp shuffles run only in the exact step: the ~240-cycle
+  Session 18 checked the rise on the warp maxima (shuffles on every tile); session 19 moved
+  the check to each thread's own rows and the shuffles into the exact step: the ~240-cycle
   warp-maxima phase becomes a compare per column. Interleaved A/B on an H200
   (results/mla_decode_h200_session19.json): +2-3 % over the warp-maxima check in the fp8 H=32
   cells (B=8 L=32K 0.650 -> 0.676, B=64 L=8K 0.709 -> 0.728, B=64 L=128K 0.703 -> 0.723). A
@@ -761,7 +764,8 @@ class MlaDecodeSwapAbKernel:
                 col_sum = cute.make_rmem_tensor((n_cols,), Float32)    # this thread's rows only
                 col_max.fill(-Float32.inf)
                 col_sum.fill(0.0)
-                w_max = cute.make_rmem_tensor((n_cols,), Float32)     # this warp's rows' maxima
+                # column maxima of this thread's rows, of its warp's after _col_max
+                w_max = cute.make_rmem_tensor((n_cols,), Float32)
                 n_k = cute.size(tSrQ.shape[2])
                 if cutlass.const_expr(self.kv_fp8):
                     # per-thread shared byte addresses of the raw fp8 V fragment loads (stage 0)
