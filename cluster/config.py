@@ -81,6 +81,10 @@ class DecodeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_slots: int = 65
     conv_layout: Literal["SD", "DS"] = "SD"
     cuda_graphs: bool = False        # capture the decode step per batch bucket (GPU, TP 1)
+    # the MLA kernel's query with an fp8 latent pool (backend cutedsl): "split" = two e4m3
+    # terms (as precise as the bf16 query), "single" = one e4m3 term like vLLM's fp8 MLA path
+    # (faster: half the score MMAs; adds the query's e4m3 rounding to the scores)
+    mla_fp8_query: Literal["split", "single"] = "split"
 
 
 class TransferSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -204,6 +208,12 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                           "runtime yet (transfer supports it); use 1")
     if cfg.decode.num_slots < 2:
         raise ConfigError("decode.num_slots", "needs at least 2 (slot 0 is padding)")
+    if cfg.decode.mla_fp8_query == "single" and (cfg.decode.backend != "cutedsl"
+                                                 or cfg.state.latent_dtype != "float8_e4m3fn"):
+        raise ConfigError("decode.mla_fp8_query", "\"single\" applies to the cutedsl MLA kernel "
+                          "over an fp8 latent pool: needs decode.backend = \"cutedsl\" and "
+                          f"state.latent_dtype = \"float8_e4m3fn\" (got {cfg.decode.backend!r}, "
+                          f"{cfg.state.latent_dtype!r})")
     name = cfg.model.name
     if name not in PRESETS and not Path(name).exists():
         raise ConfigError("model.name", f"{name!r} is neither a preset ({', '.join(PRESETS)}) "

@@ -151,3 +151,43 @@ def test_mla_fused_decode_matches_the_torch_layer(latent_dtype):
     for b in range(len(seqs)):
         err = ((fused[b] - ref[b]).norm() / ref[b].norm()).item()
         assert err < 4e-3, (b, err)
+
+
+def test_mla_step_passes_the_fp8_query_mode(monkeypatch):
+    """decode.mla_fp8_query reaches the op: a step built with "single" calls the resolved
+    implementation with fp8_query="single" (here the reference op, standing in for an accepted
+    cutedsl call), which rounds the query to one e4m3 term over an fp8 pool; "split" leaves the
+    call as it was. An unknown mode is refused when the step is built."""
+    from pdserve.kernels.mla_decode.reference import quantize_query_e4m3
+    monkeypatch.setattr(registry, "resolve", lambda op, backend, problem: registry.Resolution(
+        mla_decode_reference, backend, None))
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 576).to(torch.bfloat16)
+    cache = (torch.randn(3, 64, 576) * 40).to(torch.float8_e4m3fn)
+    bt = torch.tensor([[1, 2], [2, 0]], dtype=torch.int32)
+    seq = torch.tensor([100, 30], dtype=torch.int32)
+    args = (q, cache, bt, seq, 192 ** -0.5, 0.05)
+    single = mla_step_for("cutedsl", "single")(*args)
+    split = mla_step_for("cutedsl")(*args)
+    want = mla_decode_reference(quantize_query_e4m3(q), *args[1:])
+    assert torch.equal(single[1], want[1]) and torch.equal(single[0], want[0].to(q.dtype))
+    assert torch.equal(split[1], mla_decode_reference(*args)[1])
+    assert (single[1] - split[1]).abs().max() > 1e-3      # the rounding shows in the LSE
+    with pytest.raises(ValueError, match="fp8_query"):
+        mla_step_for("cutedsl", "half")
+
+
+def test_quantize_query_e4m3_mirrors_the_kernel_split():
+    """The reference's single-term query is the kernel's Q_hi / s (q_split_e4m3_reference, the
+    torch mirror of its split), request by request, and keeps ~3 mantissa bits."""
+    pytest.importorskip("cutlass")
+    from pdserve.kernels.mla_decode.reference import quantize_query_e4m3
+    from pdserve.kernels.mla_decode.swapab import q_split_e4m3_reference
+    torch.manual_seed(1)
+    q = (torch.randn(3, 32, 576) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]).to(torch.bfloat16)
+    got = quantize_query_e4m3(q)
+    for b in range(3):
+        hi, _, s = q_split_e4m3_reference(q[b])
+        assert torch.equal(got[b], hi.float() / s)
+    rel = ((got - q.float()).norm() / q.float().norm()).item()
+    assert 0.005 < rel < 0.05, rel

@@ -167,6 +167,31 @@ def _fp8_qk_wgmma(h_pad, joint):
     return f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3", 18 if joint else 36
 
 
+@pytest.mark.parametrize("h_pad", [16, 32])
+def test_swapab_fp8_single_query(h_pad, tmp_path):
+    """fp8_query="single" (q_terms 1): S^T from Q_hi alone, 18 e4m3 wgmma m64n(h_pad)k32 per
+    tile in the same 9 promotion chunks (no joint form), Q_lo never stored (each Q vector one
+    8-byte st.shared per term: half of the split's), no spill; q_terms 1 needs an fp8 cache."""
+    for d in ("s", "q"):
+        (tmp_path / d).mkdir()
+    split = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path / "s"))
+    fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path / "q"), q_terms=1)
+    k = mc.kernel_config(True, h_pad, 64, core="swapab", q_terms=1)
+    assert (k.q_terms, k.qk_joint) == (1, False)
+    ptx = fn.artifacts.PTX
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 18
+    assert ptx.count("wgmma.mma_async.sync.aligned.") == 18 + 2 * 8 * 4
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
+    q_st = lambda p: p.count("st.shared.v2.b32")
+    per_term = (q_st(split.artifacts.PTX) - q_st(ptx))
+    assert per_term > 0 and q_st(split.artifacts.PTX) - 2 * per_term >= 0
+    assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0
+    with pytest.raises(ValueError, match="q_terms"):
+        mc.kernel_config(False, h_pad, 64, core="swapab", q_terms=1)
+    with pytest.raises(ValueError, match="q_terms"):
+        mc.kernel_config(True, h_pad, 64, core="swapab", q_terms=3)
+
+
 @pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
 def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     """swapab with the fp8 cache: S^T = K (Q_hi + Q_lo)^T with the native e4m3 wgmma m64nNk32

@@ -87,6 +87,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from pdserve.kernels.mla_decode.reference import check_fp8_query
+
 D_QK = 576
 D_V = 512
 TILE_N = 64                       # tokens per tile; a tile never straddles a page
@@ -1121,17 +1123,20 @@ def _core(core: str | None) -> str:
 
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                  early_kv: bool = False, head_groups: int = 1, consumers: int | None = None):
+                  early_kv: bool = False, head_groups: int = 1, consumers: int | None = None,
+                  q_terms: int = 2):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad; the swapab core uses h_pad (16 / 32, its
     wgmma N). head_groups > 1: swapab only (plan_call). consumers: swapab's consumer
-    warpgroups (None: choose_consumers without a shape); the other cores ignore it."""
+    warpgroups (None: choose_consumers without a shape); the other cores ignore it. q_terms:
+    swapab's fp8 query terms (2, or 1 for fp8_query="single"); the other cores take 2 only."""
     core = _core(core)
     assert head_groups == 1 or core == "swapab", (core, head_groups)
+    assert q_terms == 2 or core == "swapab", (core, q_terms)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
         return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv),
-                                     int(head_groups), consumers)
+                                     int(head_groups), consumers, int(q_terms))
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
@@ -1140,23 +1145,27 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None =
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
                  dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1,
-                 consumers: int | None = None):
+                 consumers: int | None = None, q_terms: int = 2):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     if dump_dir is not None:
-        k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)
+        k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
+                          q_terms)
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
-    return main_variant(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)[1]
+    return main_variant(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
+                        q_terms)[1]
 
 
 def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
-                 early_kv: bool = False, head_groups: int = 1, consumers: int | None = None):
+                 early_kv: bool = False, head_groups: int = 1, consumers: int | None = None,
+                 q_terms: int = 2):
     """(kernel object, compiled kernel) of compile_main's variant, from the process cache: the
     launcher reads the object's properties (the partials' dtype) from the variant it runs."""
     core = _core(core)
-    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers)
+    k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
+                      q_terms)
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
@@ -1165,7 +1174,7 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         # qk_joint: PDSERVE_MLA_SWAPAB_QK_JOINT; lazy_max: PDSERVE_MLA_SWAPAB_LAZY)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
                int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight,
-               k.partial_dtype.__name__, k.qk_joint, k.lazy_max)
+               k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
@@ -1329,7 +1338,8 @@ def check_inputs(q, kv_cache, block_table, seq_lens, out=None, lse=None,
 def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
-    core: str | None = None, early_kv: bool = False, head_groups: int | None = None, **_ignored,
+    core: str | None = None, early_kv: bool = False, head_groups: int | None = None,
+    fp8_query: str | None = None, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
@@ -1340,7 +1350,11 @@ def mla_decode_cutedsl(
     seq_lens.max()). `early_kv` lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when
     that kernel writes none of them. `head_groups` (swapab; default choose_head_groups) splits
-    each request's heads over that many CTAs per split."""
+    each request's heads over that many CTAs per split. `fp8_query` (fp8 cache only; default
+    PDSERVE_MLA_FP8_QUERY, else "split"): "split" = the query as two e4m3 terms (Q_hi + Q_lo,
+    ~1000x below bf16 rounding), "single" = one e4m3 term as vLLM's fp8 MLA path quantizes it
+    (half of S^T's MMAs; the reference with fp8_query="single" mirrors the rounding); swapab
+    core only."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -1353,6 +1367,11 @@ def mla_decode_cutedsl(
     if num_splits is None and msl is None:
         msl = int(seq_lens.max().item())
     core, num_splits, groups = plan_call(B, H, msl, fp8, core, early_kv, num_splits, head_groups)
+    if fp8_query is None:
+        fp8_query = os.environ.get("PDSERVE_MLA_FP8_QUERY") or "split"
+    q_terms = 1 if check_fp8_query(fp8_query) == "single" and fp8 else 2
+    if q_terms == 1 and core != "swapab":
+        raise ValueError(f"fp8_query='single' needs the swapab core, got core {core!r}")
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device
     if out is None:
@@ -1363,7 +1382,7 @@ def mla_decode_cutedsl(
     # outputs and the partials; the combine sees [B, H]
     Bv, Hv = B * groups, H // groups
     kernel, main = main_variant(fp8, h_pad_for(Hv), page_tokens, core, early_kv, groups,
-                                call_consumers(core, fp8, msl, num_splits))
+                                call_consumers(core, fp8, msl, num_splits), q_terms)
     pdt = kernel.partial_dtype            # split partials: bf16 (swapab, fp8 cache) or fp32
     if num_splits > 1:
         o_part = torch.empty(num_splits, B, H, D_V, device=dev,

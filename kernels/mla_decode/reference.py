@@ -38,6 +38,30 @@ def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: in
     return rows.reshape(n_pages * page_tokens, kv_cache.shape[2])[:seq_len]
 
 
+E4M3_MAX = 448.0
+FP8_QUERY_MODES = ("split", "single")
+
+
+def check_fp8_query(fp8_query: str) -> str:
+    if fp8_query not in FP8_QUERY_MODES:
+        raise ValueError(f"fp8_query must be {' or '.join(map(repr, FP8_QUERY_MODES))}, "
+                         f"got {fp8_query!r}")
+    return fp8_query
+
+
+def quantize_query_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """fp8_query="single": each request's query [H, 576] as one e4m3 term, returned dequantized
+    (float32): s = 2^floor(log2(448 / max|q|)) over the request's values (a power of two, so
+    only the e4m3 rounding of s q is lost), q' = e4m3(s q) / s. As the swapab kernel stores Q_hi;
+    it computes s per CTA, i.e. per head group where a call spreads the heads over several
+    CTAs, which changes only values in e4m3's subnormal range."""
+    qf = q.float()
+    amax = qf.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(2.0 ** -100)
+    _, e = torch.frexp(E4M3_MAX / amax)
+    s = torch.ldexp(torch.ones_like(amax), e - 1)
+    return (qf * s).to(torch.float8_e4m3fn).float() / s
+
+
 def mla_decode_reference(
     q: torch.Tensor,                 # [B, H, 576] (bf16 / fp16 / fp32 / fp64)
     kv_cache: torch.Tensor,          # [num_pages, page_tokens, 576] bf16 or float8_e4m3fn
@@ -48,12 +72,18 @@ def mla_decode_reference(
     *,
     compute_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
+    fp8_query: str = "split",
     **_ignored,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [B, H, 512] in out_dtype (default q.dtype), lse [B, H] fp32)."""
+    """Returns (out [B, H, 512] in out_dtype (default q.dtype), lse [B, H] fp32).
+    fp8_query="single" with an fp8 cache: the query rounded as the kernel's single e4m3 term
+    (quantize_query_e4m3) first; "split" (default): q as given (the kernel's two-term split is
+    ~1000x below bf16 rounding)."""
     B, H, D = q.shape
     assert D == HEAD_DIM and kv_cache.shape[-1] == HEAD_DIM, (q.shape, kv_cache.shape)
     out_dtype = out_dtype or q.dtype
+    if check_fp8_query(fp8_query) == "single" and kv_cache.element_size() == 1:
+        q = quantize_query_e4m3(q)
     scale = 1.0 if kv_scale is None else float(kv_scale)
     lens = [int(x) for x in seq_lens.tolist()]
     out = torch.empty(B, H, LATENT_DIM, dtype=compute_dtype, device=q.device)

@@ -370,7 +370,7 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None):
+                 head_groups: int = 1, consumers: int | None = None, q_terms: int = 2):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -454,8 +454,14 @@ class MlaDecodeSwapAbKernel:
         # none in 40,000 calls of the shape that had failed (two machines).
         # PDSERVE_MLA_SWAPAB_QK_JOINT=0|1 overrides (A/B runs). Not at h_pad 32: its two 64 x 64
         # chunk accumulators next to O^T spill, and with one the results were wrong (session 10)
+        # fp8 Q terms: 2 = Q_hi + Q_lo (default), 1 = Q_hi alone (fp8_query="single": the
+        # query rounded to e4m3 as vLLM's fp8 MLA path does; half of S^T's wgmmas)
+        if q_terms not in (1, 2) or (q_terms == 1 and not self.kv_fp8):
+            raise ValueError(f"core 'swapab': q_terms must be 2, or 1 with an fp8 cache; got "
+                             f"{q_terms}")
+        self.q_terms = q_terms
         self.qk_joint = (env_choice("PDSERVE_MLA_SWAPAB_QK_JOINT", ("0", "1")) != "0"
-                         and self.kv_fp8 and h_pad == 16)
+                         and self.kv_fp8 and h_pad == 16 and q_terms == 2)
         # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
         self.pv_group, self.pv_in_flight = (4, 2) if h_pad == 16 else (2, 3)
@@ -1216,7 +1222,8 @@ class MlaDecodeSwapAbKernel:
                     lo[w] = _prmt(pr[2 * w], pr[2 * w + 1], 0x7632)
                 crd = tQc[0, m, c]
                 off = q_base + self._q8_offset(hp, crd[0], crd[1], self.qk_joint)
-                for dst, src in ((off, hi), (off + self._q8_lo(hp, self.qk_joint), lo)):
+                terms = ((off, hi), (off + self._q8_lo(hp, self.qk_joint), lo))
+                for dst, src in terms[:self.q_terms]:
                     ptr = cute.make_ptr(Int32, dst, cute.AddressSpace.smem, assumed_align=8)
                     cute.autovec_copy(src, cute.make_tensor(ptr, cute.make_layout((2,))))
 
@@ -1239,7 +1246,7 @@ class MlaDecodeSwapAbKernel:
     def _fp8_qk(self, qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage):
         """S^T = K (Q_hi + Q_lo)^T with the e4m3 wgmma m64nNk32, both operands in smem (A = the
         stage's raw K tile, B = Q_hi / Q_lo): 9 chunks of 64 dims, 4 wgmmas each (k-steps 2 c,
-        2 c + 1 with Q_hi, then with Q_lo). qk_promote: chunk 0 into acc_S, chunk c >= 1 into the
+        2 c + 1 with Q_hi, then with Q_lo; q_terms 1: the 2 with Q_hi). qk_promote: chunk 0 into acc_S, chunk c >= 1 into the
         zeroed acc_T[(c - 1) % 2], added to acc_S in fp32 once retired (chunk c in flight while
         chunk c - 1 is added). Every wgmma has retired (the stage may be released) on return."""
         for c in range(QK_CHUNKS):
@@ -1248,7 +1255,7 @@ class MlaDecodeSwapAbKernel:
             else:
                 dst = acc_S
             warpgroup.fence()
-            for j in range(4):
+            for j in range(2 * self.q_terms):
                 k, half = 2 * c + j % 2, j // 2
                 qk_mma.set(warpgroup.Field.ACCUMULATE,
                            j != 0 if self.qk_promote else (c, j) != (0, 0))

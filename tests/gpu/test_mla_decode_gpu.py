@@ -80,7 +80,8 @@ def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
     torch.cuda.synchronize()
     assert o is out and l is lse
     ref_o, ref_l = mla_decode_reference(q, cache, bt, seq, SCALE, kv_scale,
-                                        compute_dtype=torch.float64, out_dtype=torch.float64)
+                                        compute_dtype=torch.float64, out_dtype=torch.float64,
+                                        fp8_query=kw.get("fp8_query") or "split")
     assert not torch.isnan(out).any(), f"NaN in output ({torch.isnan(out).sum()} elements)"
     assert not torch.isnan(lse).any(), "NaN in lse"
     err = (out.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
@@ -148,6 +149,35 @@ def test_swapab_head_groups(lens, num_splits, H, fp8):
     """swapab with each request's heads over 2 CTAs per split (the launch sees B * 2 requests of
     H / 2 heads reading block-table / seq_lens row b // 2): the reference, for every head."""
     check(lens, H, fp8, core="swapab", head_groups=2, num_splits=num_splits)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("H", [32, 12, 20])
+@pytest.mark.parametrize("lens,num_splits", [
+    ([1], None), ([8192 + 17], None), ([131072], None), ([8192 + 17], 3), ([100, 70000], 300),
+    ([1, 2, 63, 64, 65, 129, 4097, 40000], None), ("B64", None)])
+def test_swapab_fp8_single_query(lens, num_splits, H):
+    """fp8_query="single": the query as one e4m3 term, against the reference that rounds it the
+    same way (quantize_query_e4m3). The split and single roundings differ by far more than the
+    tolerance (~5e-2 relative output error on these inputs), so this fails if either side
+    does not round. One and two consumers, head groups (H = 20, 32 short), split counts."""
+    check(_b64_lens() if lens == "B64" else lens, H, True, core="swapab", fp8_query="single",
+          num_splits=num_splits)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+def test_fp8_query_refusals():
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    q, cache, bt, seq, kv_scale = make_case([100], 12, True)
+    with pytest.raises(ValueError, match="fp8_query must be"):
+        mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, fp8_query="half")
+    with pytest.raises(ValueError, match="needs the swapab core"):
+        mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, fp8_query="single", core="mma")
+    # a bf16 cache has no fp8 query: "single" changes nothing there
+    qb, cb, btb, sb, _ = make_case([100], 12, False)
+    a = mla_decode_cutedsl(qb, cb, btb, sb, SCALE, fp8_query="single")
+    b = mla_decode_cutedsl(qb, cb, btb, sb, SCALE)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
