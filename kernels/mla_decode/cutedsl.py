@@ -34,6 +34,11 @@ floor where B x L >= 256K: bf16 0.95-1.07 (H = 12), 0.89-1.07 (H = 32); fp8 0.78
 cells move by up to ~15 % between machines and page placements; the long ones run at the
 H200's 700 W power cap, 1.4-1.5 GHz, kernel_history.md session 19). B = 1, L = 8K: bf16 7.3 /
 9.9 us, fp8 8.8 / 10.0 (H = 12 / 32). Session 18's figures: _session18.json.
+Session 20 (machine ...045035, tree 2d3bb37, 489 GPU tests): the same grid for the split query
+(_session20.json: fp8 H=32 0.68-0.81, a few % below the session-19 machine) and with
+fp8_query="single" (the query as one e4m3 term, as vLLM's fp8 MLA path rounds it; half of S^T's
+wgmmas; _single_query_session20.json): fp8 H=32 where B x L >= 256K 0.72-0.91, only B=8 L=32K
+(0.716) below 0.75; B=1 L=8K 9.7 us. Its accuracy cost: docs/kernels.md, "fp8_query".
 Session 14 made the fp8 two-consumer ring even (swapab.py: an odd one let a consumer read a
 stage before its TMA landed) and the joint S^T the default at h_pad 16 (its figures:
 _session14.json). The session-8 figures below are the earlier record.

@@ -75,6 +75,11 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     registers each) that is added to S^T with FADDs once retired, while chunk c + 1 runs. All of
     S^T's wgmmas have retired before the softmax (and so before the stage's release). S^T row m is
     token m.
+  * fp8_query="single" (q_terms 1): Q_hi alone (the query rounded to one e4m3 term, as vLLM's fp8
+    MLA path does; Q_lo is not stored), 18 wgmma m64nNk32 per tile in the same 9 promotion
+    chunks, no joint form. H200, session 20: fp8 H=32 B=64 L=128K 0.85 of the copy floor
+    against 0.72 with the split (the long cells run at the power cap, see kernel_history.md
+    session 19; half the S^T MMAs moves them most); accuracy: docs/kernels.md.
   * h_pad 16 (qk_joint, the default there): B = [Q_hi ; Q_lo] as one [2 h_pad, 576] operand
     (q8_layout(hp, joint): the same atoms stacked along the 2 h_pad rows, then the 9 column
     blocks; k-step k at (k // 2) 128 h_pad + (k % 2) 32), 18 e4m3 wgmma m64n32k32 in the same
