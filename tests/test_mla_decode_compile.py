@@ -595,20 +595,20 @@ def _fp22_chain(K, Qt, groups, mbits=13):
 
 
 def test_swapab_fp8_q_split_numerics():
-    """S^T = K (Q_hi + Q_lo)^T / s (q_split_e4m3_reference, the kernel's split) against float64:
+    """S^T = K (Q_hi + Q_lo)^T / s (split_query_e4m3, the kernel's split) against float64:
     never worse than rounding an fp32 q to bf16 (what the other cores' bf16 Q amounts to), and
     for the bf16 q the kernel actually reads, far below it. Also with a model of the fp8 wgmma's
     reduced-precision accumulator (_fp22_chain): the kernel's 9 chunks (qk_promote) keep the
     error at the split's level; one chain of 36 would not."""
     torch = pytest.importorskip("torch")
-    from pdserve.kernels.mla_decode.swapab import q_split_e4m3_reference
+    from pdserve.kernels.mla_decode.reference import split_query_e4m3
     g = torch.Generator().manual_seed(0)
     Kc = (torch.randn(64, 576, generator=g) * 2).to(torch.float8_e4m3fn).float()
     results = {}
     for H in (12, 32):
         for sig in (1.0, 30.0):
             q = torch.randn(H, 576, generator=g) * sig
-            hi, lo, s = q_split_e4m3_reference(q)
+            hi, lo, s = split_query_e4m3(q)
             assert float(s) == 2.0 ** round(float(torch.log2(s)))
             assert (q.float() * s).abs().max() <= 448
             S_split = Kc.double() @ (hi.double() + lo.double()).T / float(s)
@@ -617,7 +617,7 @@ def test_swapab_fp8_q_split_numerics():
             assert e_split[0] <= e_bf16[0] and e_split[1] <= e_bf16[1], (H, sig, e_split, e_bf16)
             # the kernel's input is bf16: the split alone costs far less than that rounding did
             qb = q.bfloat16().float()
-            hib, lob, sb = q_split_e4m3_reference(qb)
+            hib, lob, sb = split_query_e4m3(qb)
             e_in = _s_error(Kc, qb, Kc.double() @ (hib.double() + lob.double()).T / float(sb))
             assert e_in[0] <= e_bf16[0] / 100, (H, sig, e_in, e_bf16)
             # fp8 accumulator model: the kernel's chunks (k-steps 2c, 2c+1 of Q_hi then Q_lo)
@@ -635,7 +635,7 @@ def test_swapab_fp8_q_split_numerics():
                                      fp22_chunks=e_chunk, fp22_one_chain=e_chain,
                                      fp22_chunks_bf16_input=e_chunk_in)
     # all-zero Q (and rows >= H) must give zeros, not NaN
-    hi, lo, s = q_split_e4m3_reference(torch.zeros(4, 576))
+    hi, lo, s = split_query_e4m3(torch.zeros(4, 576))
     assert torch.isfinite(s) and (hi.float() == 0).all() and (lo.float() == 0).all()
     for key, r in results.items():
         print(key, {k: tuple(f"{x:.2e}" for x in v) for k, v in r.items()})

@@ -49,17 +49,29 @@ def check_fp8_query(fp8_query: str) -> str:
     return fp8_query
 
 
-def quantize_query_e4m3(q: torch.Tensor) -> torch.Tensor:
-    """fp8_query="single": each request's query [H, 576] as one e4m3 term, returned dequantized
-    (float32): s = 2^floor(log2(448 / max|q|)) over the request's values (a power of two, so
-    only the e4m3 rounding of s q is lost), q' = e4m3(s q) / s. As the swapab kernel stores Q_hi;
-    it computes s per CTA, i.e. per head group where a call spreads the heads over several
-    CTAs, which changes only values in e4m3's subnormal range."""
+def split_query_e4m3(q: torch.Tensor):
+    """The fp8 kernel's query split (swapab.py), in torch: q [..., H, 576] (any float dtype; the
+    kernel reads bf16) -> (Q_hi, Q_lo as torch.float8_e4m3fn, s float32 [..., 1, 1]) with, per
+    request, s = 2^floor(log2(fp32(448 / max(max|q|, 2^-100)))), Q_hi = e4m3(s q),
+    Q_lo = e4m3(s q - Q_hi), both round-to-nearest-even (cvt.rn.satfinite; |s q| <= 448, so
+    nothing saturates). q ~= (Q_hi + Q_lo) / s; the kernel scales S^T by 1 / s through the
+    softmax scale. It computes s per CTA, i.e. per head group where a call spreads the heads
+    over several CTAs, which changes only values in e4m3's subnormal range."""
     qf = q.float()
     amax = qf.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(2.0 ** -100)
-    _, e = torch.frexp(E4M3_MAX / amax)
-    s = torch.ldexp(torch.ones_like(amax), e - 1)
-    return (qf * s).to(torch.float8_e4m3fn).float() / s
+    _, e = torch.frexp(E4M3_MAX / amax)                          # div.rn.f32
+    s = torch.ldexp(torch.ones_like(amax), e - 1)                # and.b32 0x7F800000
+    y = qf * s                                                   # exact (power of two)
+    hi = y.to(torch.float8_e4m3fn)
+    lo = (y - hi.float()).to(torch.float8_e4m3fn)                # y - hi exact in fp32
+    return hi, lo, s
+
+
+def quantize_query_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """fp8_query="single": each request's query as the kernel's one e4m3 term, dequantized
+    (float32): Q_hi / s of split_query_e4m3."""
+    hi, _, s = split_query_e4m3(q)
+    return hi.float() / s
 
 
 def mla_decode_reference(

@@ -63,7 +63,7 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     the difference are exact in fp32), stored to smem [h_pad, 576, 2] (`q8_layout`: the same
     K-major 64-byte-swizzle atoms; rows >= H zero), no dim permutation. S^T comes out in units
     of s: 1 / s (exact) is folded into the softmax scale (scale_s = scale_log2 / s, also used
-    for the LSE). `q_split_e4m3_reference` is the torch mirror the CPU numerics test uses: the
+    for the LSE). `reference.split_query_e4m3` is the torch mirror the CPU numerics test uses: the
     split alone is ~1000x below bf16 rounding for a bf16 q, and below it for an fp32 q.
   * S^T = K (Q_hi + Q_lo)^T (h_pad 32; h_pad 16: the joint form below): 36 native e4m3 wgmma
     m64nNk32 (fp32 accumulate), A = the stage in smem (descriptor: 64-byte swizzle, SBO 512 B;
@@ -297,28 +297,9 @@ FP8_BLOCK = TILE_N * 64     # bytes of one [64 tokens, 64 dims] column block of 
 # 16 g + r8 + 128 w + 2 mb, so that one thread's 16 A rows are 16 consecutive bytes of a token
 DIM_PERM = (8, 2, 4, 8)
 DIM_PERM_STRIDE = (16, 1, 128, 2)
-E4M3_MAX = 448.0           # largest finite e4m3 value
 # fp8 S^T: 9 chunks of 64 dims, each 4 wgmma m64nNk32 (k-steps 2 c, 2 c + 1 of Q_hi, then of
 # Q_lo) into a zeroed accumulator that is added to S^T in fp32 (see _fp8_qk)
 QK_CHUNKS = D_QK // 64
-
-
-def q_split_e4m3_reference(q):
-    """torch mirror of the fp8 path's Q split (CPU tests): q [H, 576] (any float dtype; the kernel
-    reads bf16) -> (Q_hi, Q_lo as torch.float8_e4m3fn, s as a float32 scalar tensor) with
-    s = 2^floor(log2(fp32(448 / max(max|q|, 2^-100)))), Q_hi = e4m3(s q), Q_lo = e4m3(s q - Q_hi),
-    both round-to-nearest-even (cvt.rn.satfinite; |s q| <= 448, so nothing saturates).
-    q ~= (Q_hi + Q_lo) / s; the kernel scales S^T by 1 / s through the softmax scale."""
-    import torch
-    qf = q.float()
-    amax = qf.abs().max().clamp_min(2.0 ** -100)
-    s = torch.tensor(E4M3_MAX, dtype=torch.float32) / amax        # div.rn.f32
-    _, e = torch.frexp(s)
-    s = torch.ldexp(torch.ones((), dtype=torch.float32), e - 1)  # and.b32 0x7F800000
-    y = qf * s                                                    # exact (power of two)
-    hi = y.to(torch.float8_e4m3fn)
-    lo = (y - hi.float()).to(torch.float8_e4m3fn)                 # y - hi exact in fp32
-    return hi, lo, s
 
 
 @dsl_user_op
@@ -359,7 +340,7 @@ def _split_e4m3x2(y0, y1, *, loc=None, ip=None) -> Int32:
     """Two fp32 values -> bits 0-15: e4m3x2 (hi0, hi1) = RN(y0), RN(y1) (saturating), bits 16-31:
     e4m3x2 (lo0, lo1) = RN(y0 - hi0), RN(y1 - hi1); value 0 in the lower byte of each pair
     (cvt.rn.satfinite.e4m3x2.f32 d, a, b puts b in the lower byte). hi back to fp32 through the
-    exact cvt.rn.f16x2.e4m3x2; y - hi is exact in fp32 (q_split_e4m3_reference mirrors this)."""
+    exact cvt.rn.f16x2.e4m3x2; y - hi is exact in fp32 (reference.split_query_e4m3 mirrors this)."""
     return Int32(llvm.inline_asm(
         T.i32(), [Float32(y0).ir_value(loc=loc, ip=ip), Float32(y1).ir_value(loc=loc, ip=ip)],
         "{ .reg .b16 h, l, a, b; .reg .b32 hf; .reg .f32 fa, fb; "
@@ -1251,9 +1232,9 @@ class MlaDecodeSwapAbKernel:
     def _fp8_qk(self, qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage):
         """S^T = K (Q_hi + Q_lo)^T with the e4m3 wgmma m64nNk32, both operands in smem (A = the
         stage's raw K tile, B = Q_hi / Q_lo): 9 chunks of 64 dims, 4 wgmmas each (k-steps 2 c,
-        2 c + 1 with Q_hi, then with Q_lo; q_terms 1: the 2 with Q_hi). qk_promote: chunk 0 into acc_S, chunk c >= 1 into the
-        zeroed acc_T[(c - 1) % 2], added to acc_S in fp32 once retired (chunk c in flight while
-        chunk c - 1 is added). Every wgmma has retired (the stage may be released) on return."""
+        2 c + 1 with Q_hi, then with Q_lo; q_terms 1: the 2 with Q_hi). qk_promote: chunk 0 into
+        acc_S, chunk c >= 1 into the zeroed acc_T[(c - 1) % 2], added to acc_S in fp32 once
+        retired (chunk c in flight while chunk c - 1 is added). Every wgmma has retired (the stage may be released) on return."""
         for c in range(QK_CHUNKS):
             if self.qk_promote:
                 dst = acc_S if c == 0 else acc_T[(c - 1) % 2]
