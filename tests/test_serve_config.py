@@ -245,3 +245,16 @@ def test_check_prints_the_vllm_topology(capsys):
     assert "weights: " in out and "kimi-linear-48b-a3b-seed0-" in out and "exported at start-up" in out
     assert "decode: 1 instance(s) x TP 4" in out
     assert "4 decode ranks + 1 vLLM actor(s) x (4.0 CPU + 2 GPU); 5 actors, 6 GPUs" in out
+
+
+def test_mla_fp8_query_reaches_the_decode_ranks(tmp_path):
+    """decode.mla_fp8_query = "single" (with the cutedsl backend over an fp8 latent pool) is
+    what every decode rank is built with; the default is "split"."""
+    from pdserve.cluster.serve import decode_kwargs
+    path = tmp_path / "fp8.toml"
+    path.write_text("[state]\nlatent_dtype = \"float8_e4m3fn\"\n"
+                    "[decode]\nbackend = \"cutedsl\"\nmla_fp8_query = \"single\"\n")
+    cfg, _ = load_serve_config(path)
+    assert decode_kwargs(cfg)["mla_fp8_query"] == "single"
+    path.write_text("[decode]\nbackend = \"cutedsl\"\n")
+    assert decode_kwargs(load_serve_config(path)[0])["mla_fp8_query"] == "split"
