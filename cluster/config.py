@@ -389,8 +389,10 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
                   f"backend {cfg.decode.backend}, max batch {cfg.decode.max_batch}")]
     else:
         pools = [("prefill", cfg.prefill, f", engine {cfg.prefill.engine}"),
-                 ("decode", cfg.decode, f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}, "
-                  f"max batch {cfg.decode.max_batch}")]
+                 ("decode", cfg.decode, f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}"
+                  + (" (MLA fp8 query: single e4m3 term)"
+                     if cfg.decode.mla_fp8_query == "single" else "")
+                  + f", max batch {cfg.decode.max_batch}")]
     for role, sec, extra in pools:
         if role == "prefill" and cfg.vllm:
             lines += _describe_vllm(cfg, model)

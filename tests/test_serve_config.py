@@ -249,12 +249,15 @@ def test_check_prints_the_vllm_topology(capsys):
 
 def test_mla_fp8_query_reaches_the_decode_ranks(tmp_path):
     """decode.mla_fp8_query = "single" (with the cutedsl backend over an fp8 latent pool) is
-    what every decode rank is built with; the default is "split"."""
+    what every decode rank is built with, and `pdserve check` says so; the default is
+    "split"."""
+    from pdserve.cluster.config import describe
     from pdserve.cluster.serve import decode_kwargs
     path = tmp_path / "fp8.toml"
     path.write_text("[state]\nlatent_dtype = \"float8_e4m3fn\"\n"
                     "[decode]\nbackend = \"cutedsl\"\nmla_fp8_query = \"single\"\n")
-    cfg, _ = load_serve_config(path)
+    cfg, model = load_serve_config(path)
     assert decode_kwargs(cfg)["mla_fp8_query"] == "single"
+    assert "backend cutedsl (MLA fp8 query: single e4m3 term)" in describe(cfg, model)
     path.write_text("[decode]\nbackend = \"cutedsl\"\n")
     assert decode_kwargs(load_serve_config(path)[0])["mla_fp8_query"] == "split"
