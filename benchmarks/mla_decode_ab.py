@@ -51,7 +51,8 @@ def parse_cells(text):
     cells = []
     for cell in text.split(","):
         parts = cell.split(":")
-        if len(parts) != 4 or parts[3] not in ("fp8", "bf16") or not all(p.isdigit() for p in parts[:3]):
+        if (len(parts) != 4 or parts[3] not in ("fp8", "bf16")
+                or not all(p.isdigit() for p in parts[:3])):
             raise SystemExit(f"cell {cell!r}: expected B:L:H:fp8|bf16")
         cells.append((int(parts[0]), int(parts[1]), int(parts[2]), parts[3]))
     return cells
@@ -59,7 +60,8 @@ def parse_cells(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", required=True, help="NAME:KEY=VALUE+...;NAME2:... (see module doc)")
+    ap.add_argument("--variants", required=True,
+                    help="NAME:KEY=VALUE+...;NAME2:... (see module doc)")
     ap.add_argument("--cells", required=True, help="B:L:H:fp8|bf16,...")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per child process")

@@ -184,7 +184,8 @@ def test_quantize_query_e4m3_scales_each_request():
     recover the bf16 query to ~2^-8 of it."""
     from pdserve.kernels.mla_decode.reference import quantize_query_e4m3, split_query_e4m3
     torch.manual_seed(1)
-    q = (torch.randn(3, 32, 576) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]).to(torch.bfloat16)
+    scale = torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
+    q = (torch.randn(3, 32, 576) * scale).to(torch.bfloat16)
     got = quantize_query_e4m3(q)
     for b in range(3):
         assert torch.equal(got[b], quantize_query_e4m3(q[b]))

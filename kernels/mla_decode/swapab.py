@@ -756,7 +756,7 @@ class MlaDecodeSwapAbKernel:
                 col_sum = cute.make_rmem_tensor((n_cols,), Float32)    # this thread's rows only
                 col_max.fill(-Float32.inf)
                 col_sum.fill(0.0)
-                # column maxima of this thread's rows, of its warp's after _col_max
+                # column maxima of this thread's rows, of its warp's after _publish_max
                 w_max = cute.make_rmem_tensor((n_cols,), Float32)
                 n_k = cute.size(tSrQ.shape[2])
                 if cutlass.const_expr(self.kv_fp8):
@@ -852,7 +852,6 @@ class MlaDecodeSwapAbKernel:
                         w_max[c] = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX,
                                                                    -Float32.inf, 0)
                         if cutlass.const_expr(not self.lazy_max):
-                            w_max[c] = self._col_max(w_max[c])
                             self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
                     if cutlass.const_expr(self.lazy_max):
                         # this tile's P^T buffer (two per consumer, alternating)
@@ -881,7 +880,6 @@ class MlaDecodeSwapAbKernel:
                                     col_sum[c] = col_sum[c] + psum[c]
                         if redo != 0:
                             for c in cutlass.range_constexpr(n_cols):
-                                w_max[c] = self._col_max(w_max[c])
                                 self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
                             self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
                                                 tSsP, sMax, buf, tScS_mn, bar, scale_s)
@@ -983,7 +981,9 @@ class MlaDecodeSwapAbKernel:
 
     @cute.jit
     def _publish_max(self, w_max, sMax, buf, cwarp, lane, tScS_mn, c: cutlass.Constexpr):
-        """This warp's maximum of column c -> sMax[buf, warp, head] (one lane per column)."""
+        """w_max[c] (this thread's rows) -> the warp's maximum of column c (_col_max), stored to
+        sMax[buf, warp, head] (one lane per column)."""
+        w_max[c] = self._col_max(w_max[c])
         if lane < 4:
             sMax[buf, cwarp, tScS_mn[0, c][1]] = w_max[c]
 
@@ -1234,7 +1234,8 @@ class MlaDecodeSwapAbKernel:
         stage's raw K tile, B = Q_hi / Q_lo): 9 chunks of 64 dims, 4 wgmmas each (k-steps 2 c,
         2 c + 1 with Q_hi, then with Q_lo; q_terms 1: the 2 with Q_hi). qk_promote: chunk 0 into
         acc_S, chunk c >= 1 into the zeroed acc_T[(c - 1) % 2], added to acc_S in fp32 once
-        retired (chunk c in flight while chunk c - 1 is added). Every wgmma has retired (the stage may be released) on return."""
+        retired (chunk c in flight while chunk c - 1 is added). Every wgmma has retired (the
+        stage may be released) on return."""
         for c in range(QK_CHUNKS):
             if self.qk_promote:
                 dst = acc_S if c == 0 else acc_T[(c - 1) % 2]
