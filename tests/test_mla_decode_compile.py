@@ -192,6 +192,17 @@ def test_swapab_fp8_single_query(h_pad, tmp_path):
         mc.kernel_config(True, h_pad, 64, core="swapab", q_terms=3)
 
 
+def _named_barriers(ptx):
+    """(op, 'id, threads') of every bar.sync / bar.arrive, register ids as %r."""
+    return [(op, re.sub(r"%r\d+", "%r", arg))
+            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
+
+
+# the two fp8 consumers' barriers (test_swapab_fp8_core_compiles says which is which)
+PAIR_BARRIERS = ([("sync", "0")] + [("sync", "%r, 128")] * 3 + [("sync", "3, 256")] * 4
+                 + [("arrive", "3, 256")])
+
+
 @pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
 def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     """swapab with the fp8 cache: S^T = K (Q_hi + Q_lo)^T with the native e4m3 wgmma m64nNk32
@@ -222,13 +233,12 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("setmaxnreg") == 2
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
-    # named barriers: consumer c's own (id 1 + c = its warpgroup index, 128 threads: Q scale,
-    # column maxima, P^T, column sums); id 3 for both (256): Q stored, all tiles consumed, merge
-    # data ready (consumer 0 waits, consumer 1 arrives); id 0 only for the mbarrier init sync
-    bars = [(op, re.sub(r"%r\d+", "%r", arg))
-            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
-    assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
-                                  + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]), bars
+    # named barriers: consumer c's own (id 1 + c = its warpgroup index, 128 threads: column
+    # maxima, P^T, column sums); id 3 for both (256): Q's maximum (q_half: each consumer loads
+    # half of Q), Q stored, all tiles consumed, merge data ready (consumer 0 waits, consumer 1
+    # arrives); id 0 only for the mbarrier init sync
+    assert k.q_half
+    assert sorted(_named_barriers(ptx)) == sorted(PAIR_BARRIERS), _named_barriers(ptx)
     # lazy maxima (the default with two fp8 consumers): one barrier.red.or per tile, the exact
     # step's two 128-thread barriers behind it
     assert k.lazy_max and ptx.count("barrier.red.or.pred") == 1
@@ -246,9 +256,10 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     # per tile and thread: V 4 k-steps x 4 tokens 16-byte loads, 128 exact e4m3x2 -> f16x2, 64
     # prmt, in both PV copies (k-step 0's loads are shared: issued before the softmax); once per
     # CTA: Q split, 9 h_pad / 4 pairs (each one asm: 2 cvt.rn.satfinite.e4m3x2.f32 + 1
-    # cvt.rn.f16x2.e4m3x2), 2 prmt per 2 pairs, two 8-byte st.shared per 8 dims
+    # cvt.rn.f16x2.e4m3x2; q_half: consumer 0's and 1's, half each), 2 prmt per 2 pairs, two
+    # 8-byte st.shared per 8 dims, the 8 warps' max |q| read as 2 x 16 bytes
     n_pairs = 9 * h_pad // 4
-    assert ptx.count("ld.shared.v4.b32") == 4 + 2 * 12
+    assert ptx.count("ld.shared.v4.b32") == 4 + 2 * 12 + 2
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 128 + n_pairs
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32 h,") == n_pairs
     assert ptx.count("prmt.b32") == 2 * 64 + n_pairs
@@ -311,11 +322,9 @@ def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
     assert k.consumers == 2 and k.ordered and k.num_threads == 384
     fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path))
     ptx = fn.artifacts.PTX
-    bars = [(op, re.sub(r"%r\d+", "%r", arg))
-            for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
-    assert sorted(bars) == sorted([("sync", "0")] + [("sync", "%r, 128")] * 4
-                                  + [("sync", "3, 256")] * 3 + [("arrive", "3, 256")]
-                                  + [("sync", "%r, 256"), ("arrive", "%r, 256")]), bars
+    bars = _named_barriers(ptx)
+    assert sorted(bars) == sorted(PAIR_BARRIERS + [("sync", "%r, 256"), ("arrive", "%r, 256")]), \
+        bars
     qk_op, n_qk = _fp8_qk_wgmma(h_pad, k.qk_joint)
     assert ptx.count(qk_op) == n_qk
     res = cubin_resources(fn.artifacts.CUBIN)
@@ -664,6 +673,22 @@ def test_combine_kernel_compiles():
         mc.COMBINE_WIDE_BESIDE_BF16]
     assert mc.choose_combine(8, 8, False) == mc.COMBINE_FEW
     assert mc.choose_combine(31, 31, True) == mc.COMBINE_NARROW
+
+
+def test_swapab_q_half_switch(monkeypatch):
+    """Two fp8 consumers split Q's load, scaling and store between them (q_half) unless
+    PDSERVE_MLA_SWAPAB_QHALF=0, which keys the launcher's compile cache; one consumer and the
+    bf16 cache never do."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
+    k, fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
+    assert k.q_half
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QHALF", "0")
+    k0, fn0 = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
+    assert not k0.q_half and fn0 is not fn
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_QHALF")
+    assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is fn
+    assert not mc.kernel_config(True, 32, 64, core="swapab", consumers=1).q_half
+    assert not mc.kernel_config(False, 32, 64, core="swapab", consumers=2).q_half
 
 
 @pytest.mark.parametrize("B,L,H", [(1, 1, 12), (1, 8192, 32), (64, 131072, 32), (8, 1000, 12)])

@@ -422,6 +422,11 @@ class MlaDecodeSwapAbKernel:
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
         # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
         self.merge_bytes = (128 * 4 * h_pad + 2 * h_pad) * 4 if consumers == 2 else 0
+        # fp8, two consumers: each loads, scales and stores half of Q (q_half; the maximum |q|
+        # through smem) instead of both loading all of it and consumer 0 storing it.
+        # PDSERVE_MLA_SWAPAB_QHALF=0 turns it off (A/B runs)
+        self.q_half = (self.kv_fp8 and consumers == 2
+                       and env_choice("PDSERVE_MLA_SWAPAB_QHALF", ("0", "1")) != "0")
         assert self.merge_bytes <= self.stages * per_stage
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
         # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
@@ -677,31 +682,50 @@ class MlaDecodeSwapAbKernel:
                     # all-zero Q is fine); S^T is computed in units of s, 1 / s (exact) folded
                     # into the softmax scale. Max over the 128 threads: butterfly shuffles, then
                     # sMax[0, warp, 0] (its first use in the tile loop is behind 2 barriers)
+                    # (q_half: each of two consumers loads, splits and stores its half of the
+                    # copy's vectors, zeros standing in for the other half)
                     rq = cute.make_rmem_tensor(tQg.shape, BFloat16)
                     for m in cutlass.range_constexpr(cute.size(tQg.shape[1])):
-                        if tQc[0, m, 0][0] < heads:
-                            cute.autovec_copy(tQg[None, m, None], rq[None, m, None])
-                        else:
-                            rq[None, m, None].fill(0)
+                        for k in cutlass.range_constexpr(cute.size(tQg.shape[2])):
+                            rq[None, m, k].fill(0)
+                            if tQc[0, m, 0][0] < heads:
+                                if cutlass.const_expr(not self.q_half):
+                                    cute.autovec_copy(tQg[None, m, k], rq[None, m, k])
+                                else:
+                                    if self._q_owner(m, k, rq) == cons:
+                                        cute.autovec_copy(tQg[None, m, k], rq[None, m, k])
                     amax = abs(rq.load().to(Float32)).reduce(cute.ReductionOp.MAX,
                                                               Float32(0.0), 0)
                     for off in (1, 2, 4, 8, 16):
                         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(
                             amax, offset=off, mask=-1, mask_and_clamp=31))
-                    # (two consumers: both compute amax and s from the same Q with the same
-                    # operations, so both get the same s bit for bit; consumer 0 alone stores
-                    # Q_hi / Q_lo)
-                    if lane == 0:
-                        sMax[0, cwarp, 0] = amax
-                    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
-                    for w in cutlass.range_constexpr(N_WARPS):
-                        amax = cute.arch.fmax(amax, sMax[0, w, 0])
+                    # (two consumers, not q_half: both compute amax and s from the same Q with
+                    # the same operations, so both get the same s bit for bit; consumer 0 alone
+                    # stores Q_hi / Q_lo. q_half: the 8 warps' maxima through smem, every
+                    # thread folding them in the same order)
+                    if cutlass.const_expr(self.q_half):
+                        sAmax = storage.sMax.get_tensor(cute.make_layout((nc, N_WARPS)))
+                        if lane == 0:
+                            sAmax[cons, cwarp] = amax
+                        cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
+                        for w in cutlass.range_constexpr(nc * N_WARPS):
+                            amax = cute.arch.fmax(amax, sAmax[w % nc, w // nc])
+                    else:
+                        if lane == 0:
+                            sMax[0, cwarp, 0] = amax
+                        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+                        for w in cutlass.range_constexpr(N_WARPS):
+                            amax = cute.arch.fmax(amax, sMax[0, w, 0])
                     q_scale = _pow2_scale(amax)
+                    q_base = sQ.iterator.toint()
                     if cutlass.const_expr(nc == 1):
-                        self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
+                        self._store_q_fp8(rq, tQc, q_scale, q_base)
                     else:
                         if cons == 0:
-                            self._store_q_fp8(rq, tQc, q_scale, sQ.iterator.toint())
+                            self._store_q_fp8(rq, tQc, q_scale, q_base, 0 if self.q_half else None)
+                        else:
+                            if cutlass.const_expr(self.q_half):
+                                self._store_q_fp8(rq, tQc, q_scale, q_base, 1)
                     scale_s = scale_log2 * _pow2_inv(q_scale)
                 else:
                     scale_s = scale_log2
@@ -1190,14 +1214,24 @@ class MlaDecodeSwapAbKernel:
         swizzle phase (row // 2) % 4 is the same)."""
         return hp * 64 if joint else hp * D_QK
 
-    def _store_q_fp8(self, rq, tQc, s, q_base):
-        """fp8 path: this thread's Q vectors rq (bf16, copy_q partition, coordinates tQc) ->
-        Q_hi = e4m3(s q), Q_lo = e4m3(s q - Q_hi) in smem (q8_layout at byte address q_base):
-        per vector of 8 dims 4 _split_e4m3x2, 4 prmt, two 8-byte st.shared (s is a power of two,
-        so s q is exact, and so is s q - Q_hi)."""
+    def _q_owner(self, m: int, k: int, rq) -> int:
+        """The consumer that loads and stores Q vector (m, k) of the copy partition: 0 for all
+        but q_half's second half of the (m, k) list (h_pad 32: m = 1, the heads 16-31)."""
+        if not self.q_half:
+            return 0
+        nk = cute.size(rq.shape[2])
+        return int(2 * (m * nk + k) >= cute.size(rq.shape[1]) * nk)
+
+    def _store_q_fp8(self, rq, tQc, s, q_base, owner: int | None = None):
+        """fp8 path: this thread's Q vectors rq (bf16, copy_q partition, coordinates tQc; those of
+        consumer `owner` (_q_owner) if given) -> Q_hi = e4m3(s q), Q_lo = e4m3(s q - Q_hi) in smem
+        (q8_layout at byte address q_base): per vector of 8 dims 4 _split_e4m3x2, 4 prmt, two
+        8-byte st.shared (s is a power of two, so s q is exact, and so is s q - Q_hi)."""
         hp = self.h_pad
         for m in range(cute.size(rq.shape[1])):
             for c in range(cute.size(rq.shape[2])):
+                if owner is not None and self._q_owner(m, c, rq) != owner:
+                    continue
                 ry = cute.make_rmem_tensor((8,), Float32)
                 ry.store(rq[None, m, c].load().to(Float32) * s)
                 pr = [_split_e4m3x2(ry[2 * j], ry[2 * j + 1]) for j in range(4)]
