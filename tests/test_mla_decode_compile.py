@@ -199,8 +199,7 @@ def _named_barriers(ptx):
 
 
 # the two fp8 consumers' barriers (test_swapab_fp8_core_compiles says which is which)
-PAIR_BARRIERS = ([("sync", "0")] + [("sync", "%r, 128")] * 3 + [("sync", "3, 256")] * 4
-                 + [("arrive", "3, 256")])
+PAIR_BARRIERS = [("sync", "0")] + [("sync", "%r, 128")] * 3 + [("sync", "3, 256")] * 4
 
 
 @pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
@@ -213,8 +212,10 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert k.qk_joint == (h_pad == 16)               # the joint S^T: the default at h_pad 16
     assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
     assert k.smem_bytes <= mc.SMEM_LIMIT and k.tma_bytes == 64 * 576
-    # the merge (consumer 1's O^T fragments + per-head max / sum) fits in the ring
-    assert k.merge_bytes == (128 * 4 * h_pad + 2 * h_pad) * 4 <= k.stages * k.tma_bytes
+    # the merge (each consumer's O^T fragments of the heads the other writes + their max / sum)
+    # fits in the ring
+    assert k.xmerge and k.merge_bytes == (128 * 4 * h_pad + 2 * 2 * h_pad) * 4 <= \
+        k.stages * k.tma_bytes
     fn = mc.compile_main(True, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
     ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert ".target sm_90a" in ptx
@@ -235,8 +236,8 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert "setmaxnreg.inc.sync.aligned.u32 \t240;" in ptx
     # named barriers: consumer c's own (id 1 + c = its warpgroup index, 128 threads: column
     # maxima, P^T, column sums); id 3 for both (256): Q's maximum (q_half: each consumer loads
-    # half of Q), Q stored, all tiles consumed, merge data ready (consumer 0 waits, consumer 1
-    # arrives); id 0 only for the mbarrier init sync
+    # half of Q), Q stored, all tiles consumed, merge data handed over (xmerge: both ways);
+    # id 0 only for the mbarrier init sync
     assert k.q_half
     assert sorted(_named_barriers(ptx)) == sorted(PAIR_BARRIERS), _named_barriers(ptx)
     # lazy maxima (the default with two fp8 consumers): one barrier.red.or per tile, the exact
@@ -675,20 +676,26 @@ def test_combine_kernel_compiles():
     assert mc.choose_combine(31, 31, True) == mc.COMBINE_NARROW
 
 
-def test_swapab_q_half_switch(monkeypatch):
-    """Two fp8 consumers split Q's load, scaling and store between them (q_half) unless
-    PDSERVE_MLA_SWAPAB_QHALF=0, which keys the launcher's compile cache; one consumer and the
-    bf16 cache never do."""
+def test_swapab_pair_switches(monkeypatch):
+    """Two consumers split Q's load, scaling and store (q_half, fp8) and the merge and writes of
+    the heads (xmerge) between them unless PDSERVE_MLA_SWAPAB_QHALF=0 / PDSERVE_MLA_SWAPAB_XMERGE
+    =0, which key the launcher's compile cache; one consumer does neither, bf16 no q_half."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
     k, fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
-    assert k.q_half
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QHALF", "0")
-    k0, fn0 = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
-    assert not k0.q_half and fn0 is not fn
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_QHALF")
+    assert k.q_half and k.xmerge
+    seen = {fn}
+    for var, attr in (("PDSERVE_MLA_SWAPAB_QHALF", "q_half"),
+                      ("PDSERVE_MLA_SWAPAB_XMERGE", "xmerge")):
+        monkeypatch.setenv(var, "0")
+        k0, fn0 = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
+        assert not getattr(k0, attr) and fn0 not in seen
+        seen.add(fn0)
+        monkeypatch.delenv(var)
     assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is fn
-    assert not mc.kernel_config(True, 32, 64, core="swapab", consumers=1).q_half
-    assert not mc.kernel_config(False, 32, 64, core="swapab", consumers=2).q_half
+    k1 = mc.kernel_config(True, 32, 64, core="swapab", consumers=1)
+    assert not k1.q_half and not k1.xmerge and k1.merge_bytes == 0
+    kb = mc.kernel_config(False, 32, 64, core="swapab", consumers=2)
+    assert not kb.q_half and kb.xmerge
 
 
 @pytest.mark.parametrize("B,L,H", [(1, 1, 12), (1, 8192, 32), (64, 131072, 32), (8, 1000, 12)])

@@ -1177,10 +1177,10 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         # (consumers: 1 or 2 consumer warpgroups, choose_consumers or the caller's;
         # ordered: PDSERVE_MLA_SWAPAB_ORDER; the fp8 PV grouping: PDSERVE_MLA_SWAPAB_PV;
         # qk_joint: PDSERVE_MLA_SWAPAB_QK_JOINT; lazy_max: PDSERVE_MLA_SWAPAB_LAZY; q_half:
-        # PDSERVE_MLA_SWAPAB_QHALF)
+        # PDSERVE_MLA_SWAPAB_QHALF; xmerge: PDSERVE_MLA_SWAPAB_XMERGE)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
                int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight,
-               k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half)
+               k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half, k.xmerge)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:

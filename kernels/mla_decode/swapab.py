@@ -421,7 +421,13 @@ class MlaDecodeSwapAbKernel:
         self.tma_bytes = per_stage
         # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
         # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
-        self.merge_bytes = (128 * 4 * h_pad + 2 * h_pad) * 4 if consumers == 2 else 0
+        # two consumers: each merges and writes half of the heads (xmerge; the halves of its
+        # fragment's columns: _pair_cols) instead of consumer 0 all of them.
+        # PDSERVE_MLA_SWAPAB_XMERGE=0 turns it off (A/B runs)
+        self.xmerge = (consumers == 2
+                       and env_choice("PDSERVE_MLA_SWAPAB_XMERGE", ("0", "1")) != "0")
+        self.merge_bytes = ((128 * 4 * h_pad + 2 * h_pad * (1 + self.xmerge)) * 4
+                            if consumers == 2 else 0)
         # fp8, two consumers: each loads, scales and stores half of Q (q_half; the maximum |q|
         # through smem) instead of both loading all of it and consumer 0 storing it.
         # PDSERVE_MLA_SWAPAB_QHALF=0 turns it off (A/B runs)
@@ -947,7 +953,6 @@ class MlaDecodeSwapAbKernel:
                 cute.arch.barrier(barrier_id=bar, number_of_threads=128)
                 lse_c = cute.make_rmem_tensor((n_cols,), Float32)
                 if cutlass.const_expr(nc == 1):
-                    heads_w = heads           # heads this consumer writes
                     for c in cutlass.range_constexpr(n_cols):
                         col = tScS_mn[0, c][1]
                         total = sSum[0, col]
@@ -959,8 +964,6 @@ class MlaDecodeSwapAbKernel:
                 else:
                     self._merge_consumers(cons, sK.iterator.toint(), acc_O_mn, col_max, tScS_mn,
                                           sSum, lse_c, wtid, cwarp, lane, scale_s, out_scale)
-                    # consumer 0 writes the merged result; consumer 1's stores are all off
-                    heads_w = cutlass.select_(cons == 0, heads, Int32(0))
                     col = Int32(0)            # (assigned in the dynamic ifs below)
 
                 # O^T [d, h] -> out[b, h, d]: the output rows seen transposed
@@ -980,12 +983,12 @@ class MlaDecodeSwapAbKernel:
                     rO = part
                     if cutlass.const_expr(self.partial_dtype is not BFloat16):
                         rO = self._bf16_copy(acc_O)
-                    self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads_w, mLse[b, None],
-                                      lse_c, tScS_mn, cwarp, lane)
+                    self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads, mLse[b, None],
+                                      lse_c, tScS_mn, cwarp, lane, cons)
                 else:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
-                    self._store_o_lse(part, thr_pv.partition_C(gOpt), tOcO, heads_w,
-                                      mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane)
+                    self._store_o_lse(part, thr_pv.partition_C(gOpt), tOcO, heads,
+                                      mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane, cons)
 
     def _p_views(self, sPb, sP_layout, qk_mma, thr_qk, thr_pv, cwarp, lane):
         """PV's B fragment of the P^T buffer sPb, and sPb seen as [tokens, heads] partitioned
@@ -1053,26 +1056,57 @@ class MlaDecodeSwapAbKernel:
         return r
 
     @cute.jit
-    def _store_o_lse(self, src, dst, tOcO, heads_w, lse_row, lse_c, tScS_mn, cwarp, lane):
-        """The epilogue's writes: O^T (src: the bf16 output, or the partial in partial_dtype)
-        through its C partition dst, heads < heads_w only (fp8: 16-byte vectors,
-        _store_cols_vec), and the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every
-        column)."""
-        if cutlass.const_expr(self.kv_fp8):
-            self._store_cols_vec(src, dst, tOcO, heads_w)
+    def _store_o_lse(self, src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane, cons):
+        """The epilogue's writes of consumer `cons`'s columns of the fragment (_pair_cols): O^T
+        (src: the bf16 output, or the partial in partial_dtype) through its C partition dst, heads
+        < `heads` only (fp8: 16-byte vectors, _store_cols_vec), and the per-head LSE into lse_row
+        (lanes 0-3 of warp 0 hold every column)."""
+        n_cols = cute.size(lse_c)
+        if cutlass.const_expr(self.consumers == 1):
+            self._store_cols(src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane,
+                             0, n_cols)
         else:
-            for i in cutlass.range_constexpr(cute.size(src)):
-                if tOcO[i][1] < heads_w:
-                    dst[i] = src[i]
+            if cons == 0:
+                c0, c1 = self._pair_cols(0, n_cols)
+                self._store_cols(src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane,
+                                 c0, c1)
+            else:
+                if cutlass.const_expr(self.xmerge):
+                    c0, c1 = self._pair_cols(1, n_cols)
+                    self._store_cols(src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp,
+                                     lane, c0, c1)
+
+    def _pair_cols(self, cons: int, n_cols: int) -> tuple[int, int]:
+        """The fragment columns [c0, c1) consumer `cons` of the pair merges and writes: with
+        xmerge the first / second half, else all for consumer 0 and none for consumer 1."""
+        if self.xmerge:
+            return (0, n_cols // 2) if cons == 0 else (n_cols // 2, n_cols)
+        return (0, n_cols) if cons == 0 else (n_cols, n_cols)
+
+    @cute.jit
+    def _store_cols(self, src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane,
+                    c0: cutlass.Constexpr, c1: cutlass.Constexpr):
+        """_store_o_lse for the fragment columns [c0, c1)."""
+        if cutlass.const_expr(self.kv_fp8):
+            self._store_cols_vec(src, dst, tOcO, heads, c0, c1)
+        else:
+            src_mn = wgmma_c_mn_view(src)
+            dst_mn = wgmma_c_mn_view(dst)
+            c_mn = wgmma_c_mn_view(tOcO)
+            for c in cutlass.range_constexpr(c0, c1):
+                for r in cutlass.range_constexpr(cute.size(src_mn.shape[0])):
+                    if c_mn[r, c][1] < heads:
+                        dst_mn[r, c] = src_mn[r, c]
         if cwarp == 0 and lane < 4:
-            for c in cutlass.range_constexpr(cute.size(lse_c)):
+            for c in cutlass.range_constexpr(c0, c1):
                 col = tScS_mn[0, c][1]
-                if col < heads_w:
+                if col < heads:
                     lse_row[col] = lse_c[c]
 
     @cute.jit
-    def _store_cols_vec(self, src, dst, tOcO, heads_w):
-        """fp8 epilogue: src = the O^T fragment (fp32 acc_O or
+    def _store_cols_vec(self, src, dst, tOcO, heads, c0: cutlass.Constexpr,
+                        c1: cutlass.Constexpr):
+        """fp8 epilogue, fragment columns [c0, c1): src = the O^T fragment (fp32 acc_O or
         its bf16 copy), dst = its C partition of the output / partial rows (t_layout with
         DIM_PERM), tOcO its (row, head) coordinates. In the [rows, heads] view each column of a
         thread is 16 elements of one head whose addresses are contiguous (O^T row
@@ -1088,11 +1122,11 @@ class MlaDecodeSwapAbKernel:
         n_orows = cute.size(src_mn.shape[0])
         assert n_orows == 16, n_orows
         dt = src.element_type
-        for c in cutlass.range_constexpr(cute.size(src_mn.shape[1])):
+        for c in cutlass.range_constexpr(c0, c1):
             col = dst_mn[None, c]
             # the 16 rows of a column: unit stride in memory (static layout check)
             assert cute.coalesce(col.layout) == cute.make_layout(16), col.layout
-            if c_mn[0, c][1] < heads_w:
+            if c_mn[0, c][1] < heads:
                 vals = cute.make_rmem_tensor((16,), dt)
                 vals.store(src_mn[None, c].load())
                 ptr = cute.make_ptr(dt, col.iterator.toint(), cute.AddressSpace.gmem,
@@ -1103,12 +1137,15 @@ class MlaDecodeSwapAbKernel:
     def _merge_consumers(self, cons, ring_addr, acc_O_mn, col_max, tScS_mn, sSum, lse_c, wtid,
                          cwarp, lane, scale_s, out_scale):
         """Two consumers, epilogue (both warpgroups call it, each with its own state; its
-        sSum rows hold its per-warp column sums): consumer 1 hands its O^T fragments and per-head
-        (max, sum) to consumer 0 through the ring, consumer 0 merges them into its own, exactly:
-        m = max(m0, m1), f_c = 2^((m_c - m) scale_s), O = O0 f0 + O1 f1, l = l0 f0 + l1 f1, then
-        normalizes (out_scale / l) and sets lse_c = (m scale_s + log2 l) ln 2. A consumer that had
-        no tile (split of 1 tile) has m1 = -inf, l1 = 0, O1 = 0: f1 = 0 (selected, never NaN).
-        Consumer 0 always had a tile (t_begin < t_end) whose token 0 is valid: m0 finite."""
+        sSum rows hold its per-warp column sums). Each consumer hands the O^T fragments and
+        per-head (max, sum) of the columns the other writes (_pair_cols) to it through the ring
+        and merges the other's into the columns it writes, exactly: m = max(m0, m1),
+        f_c = 2^((m_c - m) scale_s), O = O0 f0 + O1 f1, l = l0 f0 + l1 f1, then normalizes
+        (out_scale / l) and sets lse_c = (m scale_s + log2 l) ln 2. Without xmerge only consumer
+        1 hands over (all columns) and only consumer 0 merges. A consumer that had no tile
+        (consumer 1 in a split of 1 tile) has m = -inf, l = 0, O = 0: its factor is 0 (selected
+        where it is the other's; exp2(-inf) = 0 where it is its own), never NaN. Consumer 0
+        always had a tile (t_begin < t_end) whose token 0 is valid: its m is finite."""
         hp = self.h_pad
         n_orows = cute.size(acc_O_mn.shape[0])      # 16 latent dims
         n_cols = cute.size(acc_O_mn.shape[1])       # hp / 4 heads
@@ -1121,40 +1158,71 @@ class MlaDecodeSwapAbKernel:
             tot[c] = total
         # both consumers past their last tile: every TMA of the split has landed (each full
         # barrier was waited on) and every wgmma reading the ring has retired, so the ring is
-        # free: consumer 1's O^T at float (r + 16 c) 128 + wtid (conflict free), then its
-        # (max, sum) per head
+        # free. Region k holds what consumer k hands over: O^T column c0 + j at float
+        # (r + 16 j) 128 + wtid (conflict free), then (max, sum) per head
         cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
+        span = n_cols // 2 if self.xmerge else n_cols
+        region = 128 * n_orows * span + 2 * hp
         mptr = cute.make_ptr(Float32, ring_addr, cute.AddressSpace.smem, assumed_align=16)
-        sO1 = cute.make_tensor(mptr, cute.make_layout((n_orows, n_cols, 128),
-                                                      stride=(128, 128 * n_orows, 1)))
-        sL1 = cute.make_tensor(mptr + 128 * n_orows * n_cols,
-                               cute.make_layout((2, hp), stride=(hp, 1)))
-        if cons == 1:
-            for c in cutlass.range_constexpr(n_cols):
-                for r in cutlass.range_constexpr(n_orows):
-                    sO1[r, c, wtid] = acc_O_mn[r, c]
-            if cwarp == 0 and lane < 4:
-                for c in cutlass.range_constexpr(n_cols):
-                    hcol = tScS_mn[0, c][1]
-                    sL1[0, hcol] = col_max[c]
-                    sL1[1, hcol] = tot[c]
-            cute.arch.barrier_arrive(barrier_id=BAR_BOTH, number_of_threads=256)
-        else:
+        sO = cute.make_tensor(mptr, cute.make_layout(
+            (n_orows, span, 128, 2), stride=(128, 128 * n_orows, 1, region)))
+        sL = cute.make_tensor(mptr + 128 * n_orows * span,
+                              cute.make_layout((2, hp, 2), stride=(hp, 1, region)))
+        args = (acc_O_mn, col_max, tot, tScS_mn, sO, sL, wtid)
+        if cutlass.const_expr(self.xmerge):
+            if cons == 0:
+                self._hand_over(*args, cwarp, lane, *self._pair_cols(1, n_cols), 0)
+            else:
+                self._hand_over(*args, cwarp, lane, *self._pair_cols(0, n_cols), 1)
             cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
-            for c in cutlass.range_constexpr(n_cols):
-                mcol = tScS_mn[0, c][1]
-                m1 = sL1[0, mcol]
-                l1 = sL1[1, mcol]
-                m = cute.arch.fmax(col_max[c], m1)
-                f0 = cute.math.exp2((col_max[c] - m) * scale_s, fastmath=True)
-                f1 = cutlass.select_(l1 > Float32(0.0),
-                                     cute.math.exp2((m1 - m) * scale_s, fastmath=True),
-                                     Float32(0.0))
-                lsum = tot[c] * f0 + l1 * f1
-                for r in cutlass.range_constexpr(n_orows):
-                    acc_O_mn[r, c] = acc_O_mn[r, c] * f0 + sO1[r, c, wtid] * f1
-                acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / lsum)
-                lse_c[c] = (m * scale_s + cute.math.log2(lsum, fastmath=False)) * LN_2
+            if cons == 0:
+                self._merge_cols(*args, lse_c, scale_s, out_scale, *self._pair_cols(0, n_cols),
+                                 1)
+            else:
+                self._merge_cols(*args, lse_c, scale_s, out_scale, *self._pair_cols(1, n_cols),
+                                 0)
+        else:
+            if cons == 1:
+                self._hand_over(*args, cwarp, lane, 0, n_cols, 0)
+                cute.arch.barrier_arrive(barrier_id=BAR_BOTH, number_of_threads=256)
+            else:
+                cute.arch.barrier(barrier_id=BAR_BOTH, number_of_threads=256)
+                self._merge_cols(*args, lse_c, scale_s, out_scale, 0, n_cols, 0)
+
+    @cute.jit
+    def _hand_over(self, acc_O_mn, col_max, tot, tScS_mn, sO, sL, wtid, cwarp, lane,
+                   c0: cutlass.Constexpr, c1: cutlass.Constexpr, k: cutlass.Constexpr):
+        """_merge_consumers: this consumer's O^T columns [c0, c1) and their heads' (max, sum)
+        into region k."""
+        for c in cutlass.range_constexpr(c0, c1):
+            for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+                sO[r, c - c0, wtid, k] = acc_O_mn[r, c]
+        if cwarp == 0 and lane < 4:
+            for c in cutlass.range_constexpr(c0, c1):
+                hcol = tScS_mn[0, c][1]
+                sL[0, hcol, k] = col_max[c]
+                sL[1, hcol, k] = tot[c]
+
+    @cute.jit
+    def _merge_cols(self, acc_O_mn, col_max, tot, tScS_mn, sO, sL, wtid, lse_c, scale_s,
+                    out_scale, c0: cutlass.Constexpr, c1: cutlass.Constexpr,
+                    k: cutlass.Constexpr):
+        """_merge_consumers: the other consumer's columns [c0, c1) from region k merged into
+        this consumer's, normalized, with their LSEs."""
+        for c in cutlass.range_constexpr(c0, c1):
+            mcol = tScS_mn[0, c][1]
+            m1 = sL[0, mcol, k]
+            l1 = sL[1, mcol, k]
+            m = cute.arch.fmax(col_max[c], m1)
+            f0 = cute.math.exp2((col_max[c] - m) * scale_s, fastmath=True)
+            f1 = cutlass.select_(l1 > Float32(0.0),
+                                 cute.math.exp2((m1 - m) * scale_s, fastmath=True),
+                                 Float32(0.0))
+            lsum = tot[c] * f0 + l1 * f1
+            for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * f0 + sO[r, c - c0, wtid, k] * f1
+            acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / lsum)
+            lse_c[c] = (m * scale_s + cute.math.log2(lsum, fastmath=False)) * LN_2
 
     # ------------------------------------------------------------------------------------------
     # fp8 path: register A operands from the raw fp8 tile

@@ -248,16 +248,19 @@ def test_swapab_fp8_epilogue_and_pv(consumers, num_splits, H, monkeypatch):
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
-@pytest.mark.parametrize("qhalf", ["1", "0"])
-def test_swapab_fp8_q_half(qhalf, num_splits, H, monkeypatch):
+@pytest.mark.parametrize("qhalf,xmerge", [("1", "1"), ("0", "1"), ("1", "0")])
+def test_swapab_fp8_pair_halves(qhalf, xmerge, num_splits, H, monkeypatch):
     """fp8 two consumers: Q loaded, scaled and stored in halves, one per consumer (q_half, the
-    default), or whole by both and stored by consumer 0; H = 12 / 10 (h_pad 16: halves of 5 and
-    4 vectors), 32 / 24 (heads 24..31 zero) and two groups of 16, both query modes; one-tile,
-    empty and long splits; NaN-poisoned outputs."""
+    default), or whole by both and stored by consumer 0; the heads merged and written in halves
+    (xmerge, the default: consumer 1 empty in one-tile splits) or all by consumer 0; H = 12 /
+    10 (h_pad 16: halves of 5 and 4 Q vectors), 32 / 24 (heads 24..31 zero) and two groups of
+    16, both query modes; one-tile, empty and long splits; NaN-poisoned outputs."""
     from pdserve.kernels.mla_decode.cutedsl import kernel_config
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QHALF", qhalf)
-    assert kernel_config(True, 32, PAGE, core="swapab").q_half == (qhalf == "1")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_XMERGE", xmerge)
+    k = kernel_config(True, 32, PAGE, core="swapab")
+    assert (k.q_half, k.xmerge) == (qhalf == "1", xmerge == "1")
     check(CANDIDATE_LENS, H, True, num_splits=num_splits, core="swapab", head_groups=1)
     check([8192 + 17], H, True, num_splits=num_splits, core="swapab", early_kv=True,
           head_groups=1, fp8_query="single")
