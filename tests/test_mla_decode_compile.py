@@ -676,6 +676,16 @@ def test_combine_kernel_compiles():
     assert mc.choose_combine(31, 31, True) == mc.COMBINE_NARROW
 
 
+def test_combine_shape_override(monkeypatch):
+    """PDSERVE_MLA_COMBINE forces a valid shape for every call and refuses others by name."""
+    monkeypatch.setenv("PDSERVE_MLA_COMBINE", "2,4")
+    assert [mc.choose_combine(n) for n in (2, 16, 300)] == [(2, 4)] * 3
+    for bad in ("3,4", "1,16", "x", "1"):
+        monkeypatch.setenv("PDSERVE_MLA_COMBINE", bad)
+        with pytest.raises(ValueError, match="PDSERVE_MLA_COMBINE"):
+            mc.choose_combine(16)
+
+
 def test_swapab_pair_switches(monkeypatch):
     """Two consumers split Q's load, scaling and store (q_half, fp8) and the merge and writes of
     the heads (xmerge) between them unless PDSERVE_MLA_SWAPAB_QHALF=0 / PDSERVE_MLA_SWAPAB_XMERGE

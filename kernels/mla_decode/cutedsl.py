@@ -1217,7 +1217,21 @@ def choose_combine(num_splits: int, main_ctas: int | None = None,
         leaves SMs free (the cells had 64 CTAs; 65-127 were not measured), on which the
         combine's CTAs can become resident early: 4 chunks of 8 groups for fp32 partials (bf16
         H=32 L=8K 10.9 -> 10.0, H=12 8.1 -> 7.3), 2 x 8 for bf16 partials (fp8 H=12 L=8K
-        9.2 -> 8.9)."""
+        9.2 -> 8.9).
+      * PDSERVE_MLA_COMBINE="chunks,groups" forces a shape for every call (A/B runs). Session 21
+        (B=8 L=32K, 16 splits, 4 groups; results/mla_decode_h200_session21.json): 2 x 4 was
+        +0.5 % at fp8 H=32 (single query), 1 x 2 and 2 x 2 +1.4 % at bf16 H=32, none better
+        at fp8 H=12: within the noise of one machine, the rule kept."""
+    env = os.environ.get("PDSERVE_MLA_COMBINE", "")      # A/B runs: "chunks,groups"
+    if env:
+        try:
+            chunks, groups = (int(x) for x in env.split(","))
+            CombineKernel(chunks, groups)
+        except (TypeError, ValueError, AssertionError):
+            raise ValueError(f"PDSERVE_MLA_COMBINE={env!r}: 'chunks,groups' with chunks "
+                             "dividing 128 and 128 / chunks x groups threads a multiple of 32, "
+                             "at most 1024") from None
+        return chunks, groups
     if num_splits < COMBINE_WIDE_MIN_SPLITS:
         return COMBINE_FEW if num_splits <= CombineKernel.unroll else COMBINE_NARROW
     if main_ctas is None or 4 * int(main_ctas) >= 3 * NUM_SMS_H200:

@@ -125,8 +125,8 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     Consumer c takes the split's tiles t_begin + c, t_begin + c + 2, ..., each with its own
     online-softmax state (column max / sums), O^T accumulator, P^T buffer, column-max (2 buffers)
     and column-sum smem, and named barrier (id 1 + c, 128 threads). Id 3 (256 threads, both
-    consumers): Q stored, every tile consumed, merge data ready. Id 0: only the CTA sync of the
-    mbarrier init.
+    consumers): Q's maximum (fp8), Q stored, every tile consumed, merge data handed over. Id 0:
+    only the CTA sync of the mbarrier init.
   * one TMA ring in tile order (the producer is unchanged): tile t_begin + i in stage
     i % stages, full-barrier phase (i // stages) % 2. Consumer c's pipeline state starts
     advanced by c and moves by 2 per tile (wait, then advance(2)), so it waits on exactly the
@@ -136,20 +136,27 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     owner's release first. No deadlock: within the tile loop the consumers never wait on each
     other, and the lowest unconsumed tile's owner waits only on TMAs that need releases of lower
     tiles.
-  * Q: both consumers read Q and compute max|q| -> s with the same operations (same s bit for
-    bit; each its own scale_s); consumer 0 alone stores Q_hi / Q_lo (bf16: the cp.async), then
-    fence.proxy.async and barrier 3 before either consumer's first wgmma.
-  * epilogue (_merge_consumers): each consumer reduces its column sums (own barrier); barrier 3
-    (both past their last tile: every TMA of the split has landed -- each full barrier was
-    waited on -- and every wgmma reading the ring retired), so the ring is free; consumer 1
-    stores its O^T fragments (float (r + 16 c) 128 + thread, conflict free, 64 / 32 KB at
-    h_pad 32 / 16) and per-head (max, sum) into stage 0.., arrives on barrier 3; consumer 0
-    syncs on it and merges exactly: m = max(m0, m1), f_c = 2^((m_c - m) scale_s),
-    O = O0 f0 + O1 f1, l = l0 f0 + l1 f1 (f1 selected 0 when l1 = 0: a consumer with no tile,
-    in a 1-tile split, has m1 = -inf, l1 = 0, O1 = 0 and contributes nothing, no NaN; consumer 0
-    always has a tile whose token 0 is valid, so m0 is finite), then normalizes and writes once
-    through the existing output / partial code. Consumer 1 runs that code too with every store
-    predicated off (heads_w = 0).
+  * Q (fp8, q_half): each consumer loads half of the copy's Q vectors (h_pad 32: heads 0-15 /
+    16-31; h_pad 16: 5 / 4 of a thread's 9), reduces its max|q|, and after barrier 3 folds the
+    8 warps' maxima from smem in one order (the same s bit for bit in every thread; each its
+    own scale_s), then splits and stores its half of Q_hi / Q_lo; fence.proxy.async and
+    barrier 3 before either consumer's first wgmma. Session 21, H200, interleaved A/B, fp8 H=32
+    B=8 L=32K / B=64 L=8K: +1.5 % / +1.1 % over both consumers loading all of Q and consumer 0
+    storing it (PDSERVE_MLA_SWAPAB_QHALF=0; bf16: consumer 0 alone copies Q with cp.async).
+  * epilogue (_merge_consumers, xmerge): each consumer reduces its column sums (own barrier);
+    barrier 3 (both past their last tile: every TMA of the split has landed -- each full
+    barrier was waited on -- and every wgmma reading the ring retired), so the ring is free;
+    each stores the O^T fragments of the half of its columns that the other writes (consumer
+    0 hands over columns n / 2.., consumer 1 columns ..n / 2: float (r + 16 j) 128 + thread,
+    conflict free, 32 / 16 KB at h_pad 32 / 16 each) and their heads' (max, sum) into its
+    region of stage 0.., barrier 3, and merges the other's into its own half exactly:
+    m = max(m0, m1), f_c = 2^((m_c - m) scale_s), O = O0 f0 + O1 f1, l = l0 f0 + l1 f1 (the
+    other's factor selected 0 when its l = 0; a consumer with no tile, consumer 1 in a 1-tile
+    split, has m = -inf, l = 0, O = 0, and where that is its own half exp2(-inf) = 0: no NaN;
+    consumer 0 always has a tile whose token 0 is valid), then normalizes and writes its
+    columns' heads through the output / partial code (_store_o_lse). Session 21, A/B on top of
+    q_half: +1.1 % / +0.8 % at the cells above. PDSERVE_MLA_SWAPAB_XMERGE=0: consumer 1 hands
+    all its columns over and consumer 0 merges and writes them all.
   * optional order (PDSERVE_MLA_SWAPAB_ORDER=1, fp8; off by default): FA3-style handshake on
     named barriers 4 + c (256 threads): tile t's S^T wgmmas start after tile t - 1's retired
     (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
@@ -419,9 +426,9 @@ class MlaDecodeSwapAbKernel:
         assert self.stages >= 2 and self.stages % consumers == 0, (self.stages, consumers)
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
-        # two consumers: the epilogue passes consumer 1's O^T fragments (4 h_pad fp32 per thread)
-        # and per-head (max, sum) to consumer 0 through the ring, once every tile is consumed
-        # two consumers: each merges and writes half of the heads (xmerge; the halves of its
+        # two consumers: the epilogue hands O^T fragments (4 h_pad fp32 per thread in all) and
+        # per-head (max, sum) between the consumers through the ring, once every tile is
+        # consumed; each merges and writes half of the heads (xmerge; the halves of its
         # fragment's columns: _pair_cols) instead of consumer 0 all of them.
         # PDSERVE_MLA_SWAPAB_XMERGE=0 turns it off (A/B runs)
         self.xmerge = (consumers == 2
