@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: environment facts and result files."""
+"""Shared by the benchmarks: environment facts, result files, CUDA-event and CUDA-graph timing."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -67,3 +67,38 @@ def write_result(name: str, figures: dict, out_dir: str | os.PathLike | None = N
     path = d / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(), "figures": figures}, indent=2))
     return path
+
+
+def event_times_ms(fn, reps: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of `reps` runs of fn(), each between two CUDA events on the current
+    stream, after `warmup` untimed runs."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def capture_graph(run_all, warm_up=None):
+    """A CUDA graph of run_all(), captured after warm_up() (default run_all) ran once on a side
+    stream, so that compiling and autotuning happen outside the capture."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        (warm_up or run_all)()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run_all()
+    torch.cuda.synchronize()
+    return g

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment  # noqa: E402
+from common import capture_graph, environment, event_times_ms  # noqa: E402
 
 HEADS = (12, 32, 96)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -56,18 +56,7 @@ MIN_CALLS = 32
 
 def events_ms(fn, reps):
     """Median ms of `fn()` over `reps` timed runs (after warm-up), CUDA events."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(fn, reps, warmup=3))
 
 
 def copy_bandwidth_GBps():
@@ -98,18 +87,11 @@ def graph_us_per_call(calls, reps=20):
 
 
 def _graph_us_per_call(calls, reps):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls[:2]:
-            c()                        # warm-up (compiles, autotunes) outside the graph
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
+    def run(some):
+        for c in some:
             c()
-    torch.cuda.synchronize()
+    # warm-up (compiles, autotunes) on two calls, outside the graph
+    g = capture_graph(lambda: run(calls), warm_up=lambda: run(calls[:2]))
     ms = events_ms(g.replay, reps)
     del g
     return ms * 1e3 / len(calls)

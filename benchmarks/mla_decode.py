@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment  # noqa: E402
+from common import capture_graph, environment, event_times_ms  # noqa: E402
 
 COPY_BW = 4245e9          # measured device-to-device copy bandwidth on the H200 (bytes/s)
 SCALE = 192 ** -0.5
@@ -75,26 +75,11 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
                                max_seq_len=L, out=outs[k], lse=lses[k], core=core,
                                head_groups=head_groups, early_kv=early_kv)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run_all()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run_all()
+    g = capture_graph(run_all)
     g.replay()
     torch.cuda.synchronize()
     ok = bool(torch.isfinite(outs[0]).all() and torch.isfinite(lses[0]).all())
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / K)
+    times = [ms * 1e3 / K for ms in event_times_ms(g.replay, reps)]
     us = statistics.median(times)
     floor_us = per_call / COPY_BW * 1e6
     del g, cache

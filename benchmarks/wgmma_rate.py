@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment  # noqa: E402
+from common import environment, event_times_ms  # noqa: E402
 
 K = 576                  # the MLA latent + rope width: the K of one S^T pass
 SMS = 132
@@ -111,14 +111,7 @@ def rate(n: int, fp8: bool, wgs: int, iters: int) -> dict:
     fn = cute.compile(_kernel_class()(n, fp8, wgs, iters), mo, stream)
     fn(mo, stream)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn(mo, stream)
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e-3)
+    times = [ms * 1e-3 for ms in event_times_ms(lambda: fn(mo, stream), 5)]
     k = 32 if fp8 else 16
     fmas = SMS * wgs * iters * (K // k) * 64 * n * k
     t = min(times)
