@@ -702,11 +702,8 @@ class MlaDecodeSwapAbKernel:
                         for k in cutlass.range_constexpr(cute.size(tQg.shape[2])):
                             rq[None, m, k].fill(0)
                             if tQc[0, m, 0][0] < heads:
-                                if cutlass.const_expr(not self.q_half):
+                                if self._loads_q(m, k, rq, cons):
                                     cute.autovec_copy(tQg[None, m, k], rq[None, m, k])
-                                else:
-                                    if self._q_owner(m, k, rq) == cons:
-                                        cute.autovec_copy(tQg[None, m, k], rq[None, m, k])
                     amax = abs(rq.load().to(Float32)).reduce(cute.ReductionOp.MAX,
                                                               Float32(0.0), 0)
                     for off in (1, 2, 4, 8, 16):
@@ -1068,24 +1065,20 @@ class MlaDecodeSwapAbKernel:
         (src: the bf16 output, or the partial in partial_dtype) through its C partition dst, heads
         < `heads` only (fp8: 16-byte vectors, _store_cols_vec), and the per-head LSE into lse_row
         (lanes 0-3 of warp 0 hold every column)."""
+        args = (src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane)
         n_cols = cute.size(lse_c)
         if cutlass.const_expr(self.consumers == 1):
-            self._store_cols(src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane,
-                             0, n_cols)
+            self._store_cols(*args, *self._pair_cols(0, n_cols))
         else:
             if cons == 0:
-                c0, c1 = self._pair_cols(0, n_cols)
-                self._store_cols(src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane,
-                                 c0, c1)
+                self._store_cols(*args, *self._pair_cols(0, n_cols))
             else:
-                if cutlass.const_expr(self.xmerge):
-                    c0, c1 = self._pair_cols(1, n_cols)
-                    self._store_cols(src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp,
-                                     lane, c0, c1)
+                self._store_cols(*args, *self._pair_cols(1, n_cols))    # (none without xmerge)
 
     def _pair_cols(self, cons: int, n_cols: int) -> tuple[int, int]:
-        """The fragment columns [c0, c1) consumer `cons` of the pair merges and writes: with
-        xmerge the first / second half, else all for consumer 0 and none for consumer 1."""
+        """The fragment columns [c0, c1) consumer `cons` merges and writes: with xmerge the first
+        / second half, else all for consumer 0 (the only one with one consumer) and none for
+        consumer 1."""
         if self.xmerge:
             return (0, n_cols // 2) if cons == 0 else (n_cols // 2, n_cols)
         return (0, n_cols) if cons == 0 else (n_cols, n_cols)
@@ -1101,8 +1094,8 @@ class MlaDecodeSwapAbKernel:
             dst_mn = wgmma_c_mn_view(dst)
             c_mn = wgmma_c_mn_view(tOcO)
             for c in cutlass.range_constexpr(c0, c1):
-                for r in cutlass.range_constexpr(cute.size(src_mn.shape[0])):
-                    if c_mn[r, c][1] < heads:
+                if c_mn[0, c][1] < heads:             # a column is one head
+                    for r in cutlass.range_constexpr(cute.size(src_mn.shape[0])):
                         dst_mn[r, c] = src_mn[r, c]
         if cwarp == 0 and lane < 4:
             for c in cutlass.range_constexpr(c0, c1):
@@ -1288,6 +1281,11 @@ class MlaDecodeSwapAbKernel:
         term (hp * 576), or joint hp rows further (hp * 64; hp is a multiple of 16, so the
         swizzle phase (row // 2) % 4 is the same)."""
         return hp * 64 if joint else hp * D_QK
+
+    def _loads_q(self, m: int, k: int, rq, cons):
+        """Whether consumer `cons` loads Q vector (m, k): every consumer does, except with
+        q_half, where its owner alone does (a run-time test: cons is)."""
+        return self._q_owner(m, k, rq) == cons if self.q_half else True
 
     def _q_owner(self, m: int, k: int, rq) -> int:
         """The consumer that loads and stores Q vector (m, k) of the copy partition: 0 for all
