@@ -858,3 +858,25 @@ def test_swapab_fp8_qk_joint_override(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QK_JOINT", "yes")
     with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_QK_JOINT"):
         mc.kernel_config(True, 16, 64, core="swapab")
+
+
+def test_swapab_tile_pool_compiles(monkeypatch, tmp_path):
+    """PDSERVE_MLA_SWAPAB_POOL=1: the producer draws pool tiles with a relaxed atomic add (two
+    call sites: the first draw and the loop's), counts itself done with one acq_rel add, and
+    ends each consumer's loop with a transaction completed without data (one per consumer);
+    its own compile-cache entry; refused with the ordered handshake; no spill at fp8."""
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
+    base = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1]
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "1")
+    k = mc.kernel_config(True, 32, 64, core="swapab")
+    assert k.pool and mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is not base
+    fn = mc.compile_main(True, 32, 64, core="swapab", dump_dir=str(tmp_path), early_kv=True)
+    ptx = fn.artifacts.PTX
+    assert re.findall(r"atom\.[\w.]+", ptx) == ["atom.global.add.u32"] * 2 + [
+        "atom.global.acq_rel.add.u32"]
+    assert ptx.count("mbarrier.complete_tx.shared::cta.b64") == 2
+    assert re.search(rf"mbarrier\.complete_tx\.shared::cta\.b64 \[%r\d+\], {k.tma_bytes};", ptx)
+    assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "1")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_POOL"):
+        mc.kernel_config(True, 32, 64, core="swapab")

@@ -165,22 +165,36 @@ def write_empty_split(mLsep: cute.Tensor, split: Int32, b: Int32, tidx: Int32, h
 
 
 @cute.jit
+def tma_tile_views(tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, sRing: cute.Tensor):
+    """(tKs, tKg): the ring's stages and the pool's 64-row tiles as TMA partitions (the
+    descriptor prefetched)."""
+    cpasync.prefetch_descriptor(tma_atom)
+    gKV = cute.local_tile(mKV_tma, (TILE_N, D_QK), (None, 0))
+    return cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1),
+        cute.group_modes(sRing, 0, 2), cute.group_modes(gKV, 0, 2))
+
+
+@cute.jit
+def tma_load_tile(tma_atom: cute.CopyAtom, tKs: cute.Tensor, tKg: cute.Tensor, mBT: cute.Tensor,
+                  breq: Int32, t: Int32, tiles_per_page: cutlass.Constexpr, h):
+    """Tile t of request `breq` (through its block table) into the stage of producer handle h."""
+    page = mBT[breq, t // tiles_per_page]
+    cute.copy(tma_atom, tKg[None, page * tiles_per_page + t % tiles_per_page],
+              tKs[None, h.index], tma_bar_ptr=h.barrier)
+
+
+@cute.jit
 def tma_produce_tiles(tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, sRing: cute.Tensor,
                       mBT: cute.Tensor, breq: Int32, t_begin: Int32, t_end: Int32,
                       tiles_per_page: cutlass.Constexpr, producer):
-    """The TMA producer warp of the warpgroup cores (wgmma.py, swapab.py): tiles [t_begin,
-    t_end) of request `breq`, each a [64, 576] TMA into the next stage of the ring `sRing`
-    ([64, 576, stages]) once the pipeline `producer` has it free."""
-    cpasync.prefetch_descriptor(tma_atom)
-    gKV = cute.local_tile(mKV_tma, (TILE_N, D_QK), (None, 0))
-    tKs, tKg = cpasync.tma_partition(
-        tma_atom, 0, cute.make_layout(1),
-        cute.group_modes(sRing, 0, 2), cute.group_modes(gKV, 0, 2))
+    """The TMA producer warp of the wgmma core (wgmma.py): tiles [t_begin, t_end) of request
+    `breq`, each a [64, 576] TMA into the next stage of the ring `sRing` ([64, 576, stages])
+    once the pipeline `producer` has it free."""
+    tKs, tKg = tma_tile_views(tma_atom, mKV_tma, sRing)
     for t in cutlass.range(t_begin, t_end, unroll=1):
         h = producer.acquire_and_advance()
-        page = mBT[breq, t // tiles_per_page]
-        cute.copy(tma_atom, tKg[None, page * tiles_per_page + t % tiles_per_page],
-                  tKs[None, h.index], tma_bar_ptr=h.barrier)
+        tma_load_tile(tma_atom, tKs, tKg, mBT, breq, t, tiles_per_page, h)
 
 
 @cute.jit
@@ -1045,9 +1059,10 @@ def _fake_args_main(k: MlaDecodeKernel):
     from cutlass.runtime import make_fake_stream
     G = cute.AddressSpace.gmem
     P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
+    counters = (P(Int32),) if hasattr(k, "pool") else ()     # swapab: the tile-pool counters
     return (P(BFloat16), P(k.kv_dtype), P(Int32), P(Int32), P(BFloat16), P(Float32),
-            P(k.partial_dtype), P(Float32), Int32(1), Int32(k.h_pad), Int32(2), Int32(1), Int32(1),
-            Float32(1.0), Float32(1.0), make_fake_stream())
+            P(k.partial_dtype), P(Float32), *counters, Int32(1), Int32(k.h_pad), Int32(2),
+            Int32(1), Int32(1), Float32(1.0), Float32(1.0), make_fake_stream())
 
 
 # attention core: "mma" (MlaDecodeKernel, mma.sync), "wgmma" (wgmma.MlaDecodeWgmmaKernel) or
@@ -1177,10 +1192,12 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         # (consumers: 1 or 2 consumer warpgroups, choose_consumers or the caller's;
         # ordered: PDSERVE_MLA_SWAPAB_ORDER; the fp8 PV grouping: PDSERVE_MLA_SWAPAB_PV;
         # qk_joint: PDSERVE_MLA_SWAPAB_QK_JOINT; lazy_max: PDSERVE_MLA_SWAPAB_LAZY; q_half:
-        # PDSERVE_MLA_SWAPAB_QHALF; xmerge: PDSERVE_MLA_SWAPAB_XMERGE)
+        # PDSERVE_MLA_SWAPAB_QHALF; xmerge: PDSERVE_MLA_SWAPAB_XMERGE; pool:
+        # PDSERVE_MLA_SWAPAB_POOL)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
                int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight,
-               k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half, k.xmerge)
+               k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half, k.xmerge,
+               k.pool)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
@@ -1252,6 +1269,24 @@ def compile_combine(shape: tuple[int, int] = COMBINE_NARROW, partial_dtype=Float
         _COMPILED[key] = (k, cute.compile(k, P(partial_dtype), P(Float32), P(BFloat16), P(Float32),
                                           Int32(1), Int32(1), Int32(2), make_fake_stream()))
     return _COMPILED[key][1]
+
+
+_POOL_COUNTERS: dict = {}
+
+
+def pool_counters(device, stream_handle: int, requests: int):
+    """The swapab core's tile-pool counters for calls on this (device, stream): int32 [2] per
+    request (draw count, CTAs done), at least `requests` of them. Zeroed once; each call's
+    last CTA of a request resets its pair (swapab._produce), so calls on one stream share them
+    and concurrent streams get their own. A larger request count gets a new buffer; the old
+    one stays allocated, because a captured CUDA graph keeps using it. (Two graphs captured on
+    one stream must not be replayed concurrently on different streams.)"""
+    import torch
+    key = (str(device), int(stream_handle))
+    bufs = _POOL_COUNTERS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < 2 * requests:
+        bufs.append(torch.zeros(2 * max(4096, int(requests)), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def h_pad_for(heads: int) -> int:
@@ -1413,10 +1448,12 @@ def mla_decode_cutedsl(
 
     G = cute.AddressSpace.gmem
     P = lambda dt, t: make_ptr(dt, t.data_ptr(), G, assumed_align=16)
-    stream = cuda_drv.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    stream_handle = torch.cuda.current_stream(dev).cuda_stream
+    stream = cuda_drv.CUstream(stream_handle)
     kv_dt = cutlass.Float8E4M3FN if fp8 else BFloat16
+    counters = ((P(Int32, pool_counters(dev, stream_handle, Bv)),) if core == "swapab" else ())
     main(P(BFloat16, q), P(kv_dt, kv_cache), P(Int32, block_table), P(Int32, seq_lens),
-         P(BFloat16, out), P(Float32, lse), P(pdt, o_part), P(Float32, lse_part),
+         P(BFloat16, out), P(Float32, lse), P(pdt, o_part), P(Float32, lse_part), *counters,
          Int32(Bv), Int32(Hv), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
          Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
     if num_splits > 1:

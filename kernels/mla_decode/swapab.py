@@ -157,6 +157,13 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     columns' heads through the output / partial code (_store_o_lse). Session 21, A/B on top of
     q_half: +1.1 % / +0.8 % at the cells above. PDSERVE_MLA_SWAPAB_XMERGE=0: consumer 1 hands
     all its columns over and consumer 0 merges and writes them all.
+  * tile ids (session 21, branch mla-tile-pool): the producer writes each ring position's tile
+    id into sTid (2 x stages slots) before its TMA and ends with one mark (-1, the stage's
+    transaction completed with mbarrier.complete_tx, no data) per consumer; the consumers loop
+    while the id they read after their wait is a tile. With PDSERVE_MLA_SWAPAB_POOL=1 the last
+    quarter of each split's tiles goes into a per-request pool drawn at run time (`_produce`;
+    tests/test_mla_tile_pool_model.py models the draws and the counters' reset). Not yet run
+    on the H200.
   * optional order (PDSERVE_MLA_SWAPAB_ORDER=1, fp8; off by default): FA3-style handshake on
     named barriers 4 + c (256 threads): tile t's S^T wgmmas start after tile t - 1's retired
     (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
@@ -287,7 +294,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, MlaDecodeKernel,
                                                 _cvt_e4m3x2_f16x2, _prmt, copy_q_rows, env_choice,
                                                 query_tensors, result_tensors, split_tile_range,
-                                                tma_produce_tiles, wgmma_c_mn_view,
+                                                tma_load_tile, tma_tile_views, wgmma_c_mn_view,
                                                 write_empty_split)
 
 PRODUCER_REGS = 24
@@ -297,6 +304,7 @@ BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q s
 BAR_ORDER = 4               # two consumers, ordered S^T (opt-in): consumer c waits on id 4 + c
 LAZY_MAX_SLACK = 8.0        # lazy maxima: P up to 2^8 before the running maximum moves
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
+POOL_CHUNK = 2              # tile pool: tiles per draw
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
 FP8_BLOCK = TILE_N * 64     # bytes of one [64 tokens, 64 dims] column block of the raw fp8 tile
@@ -440,6 +448,15 @@ class MlaDecodeSwapAbKernel:
         # PDSERVE_MLA_SWAPAB_QHALF=0 turns it off (A/B runs)
         self.q_half = (self.kv_fp8 and consumers == 2
                        and env_choice("PDSERVE_MLA_SWAPAB_QHALF", ("0", "1")) != "0")
+        # tile pool (opt-in, PDSERVE_MLA_SWAPAB_POOL=1): with more than one split, each split's
+        # last quarter of tiles goes into a pool per request that the request's CTAs draw
+        # from at run time (POOL_CHUNK tiles a draw, a per-request counter), so that CTAs that
+        # run faster take more; the producer hands each tile's id to the consumers through
+        # smem (`_produce`). Not with the ordered handshake, which needs the tile count ahead
+        self.pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "1")) == "1"
+        if self.pool and self.ordered:
+            raise ValueError("PDSERVE_MLA_SWAPAB_POOL=1 does not go with "
+                             "PDSERVE_MLA_SWAPAB_ORDER=1")
         assert self.merge_bytes <= self.stages * per_stage
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
         # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
@@ -510,6 +527,7 @@ class MlaDecodeSwapAbKernel:
         lse_ptr: cute.Pointer,     # [B, H] fp32 (final, used when num_splits == 1)
         op_ptr: cute.Pointer,      # [S, B, H, 512] fp32 partials (num_splits > 1)
         lsep_ptr: cute.Pointer,    # [S, B, H] fp32 partial LSEs (num_splits > 1)
+        cnt_ptr: cute.Pointer,     # [B, 2] int32 tile-pool counters (pool; cutedsl.pool_counters)
         batch: Int32,
         heads: Int32,
         num_pages: Int32,
@@ -581,6 +599,7 @@ class MlaDecodeSwapAbKernel:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sMax: cute.struct.Align[cute.struct.MemRange[Float32, nc * 2 * N_WARPS * hp], 16]
             sSum: cute.struct.Align[cute.struct.MemRange[Float32, nc * N_WARPS * hp], 16]
+            sTid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * stages], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[qdt, cute.cosize(sQ_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[
                 cdt, nc * self.p_bufs * cute.cosize(sP_layout)], 1024]
@@ -592,8 +611,10 @@ class MlaDecodeSwapAbKernel:
                                 BFloat16, num_bits_per_copy=128),
             cute.make_layout((128 // 8, 8), stride=(8, 1)), cute.make_layout((1, 8)))
 
+        # per request: the pool's draw counter and the count of its CTAs done drawing
+        mCnt = cute.make_tensor(cnt_ptr, cute.make_layout((batch, 2), stride=(2, 1)))
         self.kernel(
-            qk_mma, pv_mma, tma_atom, mKV_tma, mQ, mBT, mSeq, mO, mLse, mOp, mLsep,
+            qk_mma, pv_mma, tma_atom, mKV_tma, mQ, mBT, mSeq, mO, mLse, mOp, mLsep, mCnt,
             num_splits, scale_log2, out_scale, sQ_layout, sK_layout, sV_layout, sP_layout,
             copy_q, SharedStorage,
         ).launch(grid=(num_splits, batch, 1), block=(self.num_threads, 1, 1), stream=stream,
@@ -606,7 +627,7 @@ class MlaDecodeSwapAbKernel:
         qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, tma_atom: cute.CopyAtom,
         mKV_tma: cute.Tensor, mQ: cute.Tensor, mBT: cute.Tensor, mSeq: cute.Tensor,
         mO: cute.Tensor, mLse: cute.Tensor, mOp: cute.Tensor, mLsep: cute.Tensor,
-        num_splits: Int32, scale_log2: Float32, out_scale: Float32,
+        mCnt: cute.Tensor, num_splits: Int32, scale_log2: Float32, out_scale: Float32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
         copy_q: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
@@ -629,6 +650,9 @@ class MlaDecodeSwapAbKernel:
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            # the tile id of each ring position, position i in slot i % (2 stages); -1 ends a
+            # consumer's loop (`_produce`)
+            sTid = storage.sTid.get_tensor(cute.make_layout((2 * self.stages,)))
             nc = self.consumers
             if cutlass.const_expr(nc == 1):
                 cons = 0                      # the consumer's index
@@ -663,8 +687,8 @@ class MlaDecodeSwapAbKernel:
                 # ---------------- producer (as in wgmma.py) ----------------
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp == 0:
-                    tma_produce_tiles(tma_atom, mKV_tma, sK, mBT, breq, t_begin, t_end,
-                                      self.tiles_per_page, producer)
+                    self._produce(tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, seqlen, split,
+                                  num_splits, t_begin, t_end, producer)
             else:
                 # ---------------- consumer ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -819,14 +843,13 @@ class MlaDecodeSwapAbKernel:
                     # (i // stages) % 2); consumer c waits on i = c, c + 2, ...: its state starts
                     # c stages in and moves 2 a tile (the other consumer's stage in between)
                     consumer.advance(cons)
-                for t in cutlass.range(t_begin + cons, t_end, nc, unroll=1):
-                    if cutlass.const_expr(nc == 1):
-                        h = consumer.wait_and_advance()
-                        buf = (t - t_begin) % 2
-                    else:
-                        h = consumer.wait()
-                        consumer.advance(2)
-                        buf = ((t - t_begin) // 2) % 2     # this consumer's tile count % 2
+                # ring position i (consumer c: c, c + nc, ...), its tile t from sTid; -1 ends
+                i = Int32(cons)
+                h = consumer.wait()
+                t = sTid[i % (2 * self.stages)]
+                while t >= 0:
+                    consumer.advance(nc)
+                    buf = (i // nc) % 2               # this consumer's tile count % 2
                     kstage = h.index
                     last = (t + 1) * TILE_N > seqlen
                     if cutlass.const_expr(self.kv_fp8):
@@ -835,10 +858,11 @@ class MlaDecodeSwapAbKernel:
                         # registers in PV, K rows past the end only reach masked S^T rows
                         soff = kstage * (TILE_N * D_QK)
                         if cutlass.const_expr(self.ordered):
-                            # after tile t - 1's S^T (the other consumer's): one arrive per
-                            # tile t - 1 >= t_begin, one wait per tile t > t_begin, so the
-                            # counts match for any tile count
-                            if t > t_begin:
+                            # after position i - 1's S^T (the other consumer's): one arrive
+                            # per position below the last, one wait per position above the
+                            # first, so the counts match for any tile count (static tiles only:
+                            # the pool is refused with this handshake)
+                            if i > 0:
                                 cute.arch.barrier(barrier_id=BAR_ORDER + cons,
                                                   number_of_threads=256)
                         if cutlass.const_expr(self.qk_joint):
@@ -851,7 +875,7 @@ class MlaDecodeSwapAbKernel:
                             # softmax (lazy maxima: after it, see below)
                             vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
                         if cutlass.const_expr(self.ordered):
-                            if t + 1 < t_end:
+                            if i + 1 < t_end - t_begin:
                                 cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cons,
                                                          number_of_threads=256)
                     else:
@@ -896,7 +920,7 @@ class MlaDecodeSwapAbKernel:
                         # which every warp learns from the barrier's OR (so no shuffles here);
                         # the consumer's first tile (no maxima yet) always goes the exact way
                         redo = Int32(1)
-                        if t >= t_begin + nc:
+                        if i >= nc:
                             rise = Int32(0)
                             for c in cutlass.range_constexpr(n_cols):
                                 rise = rise | Int32((w_max[c] - col_max[c]) * scale_s
@@ -948,6 +972,9 @@ class MlaDecodeSwapAbKernel:
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
                         h.release()
+                    i = i + nc
+                    h = consumer.wait()
+                    t = sTid[i % (2 * self.stages)]
 
                 # ---- epilogue: column sums across lanes and warps, normalize, LSE ----
                 for c in cutlass.range_constexpr(n_cols):
@@ -993,6 +1020,84 @@ class MlaDecodeSwapAbKernel:
                     gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
                     self._store_o_lse(part, thr_pv.partition_C(gOpt), tOcO, heads,
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane, cons)
+
+    @cute.jit
+    def _produce(self, tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, seqlen, split, num_splits,
+                 t_begin, t_end, producer):
+        """The TMA producer warp: the split's tiles, each id into sTid before its TMA, then one
+        end mark (-1; the stage's transaction completed without data) per consumer.
+
+        Pool (self.pool, more than one split): the last quarter (`tail`) of each split's tps
+        tiles is not its own. The tails of the request's active splits (those with a tile) form
+        its pool, pool index p = tile tps - tail + p % tail of split p // tail, the last split's
+        only as far as the request goes. A CTA draws pool indices one at a time through the
+        request's counter mCnt[breq, 0] (relaxed atomic add) after its own tiles, until one is
+        past the pool; then it counts itself done in mCnt[breq, 1] (acq_rel), and the last active
+        CTA to do so resets both counters: every draw of the call is behind it, and the next
+        call's draws come after its PDL wait, when this grid has completed."""
+        tKs, tKg = tma_tile_views(tma_atom, mKV_tma, sK)
+        slots = 2 * self.stages
+        lane = cute.arch.lane_idx()
+        n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
+        tps = (n_tiles + num_splits - 1) // num_splits
+        tail = Int32(0)
+        if cutlass.const_expr(self.pool):
+            if num_splits > 1:
+                tail = tps // 4
+        active = (n_tiles + tps - 1) // tps
+        pool_len = Int32(0)
+        if tail > 0:
+            last_tail = (active - 1) * tps + tps - tail     # the last active split's tail start
+            pool_len = (active - 1) * tail + cutlass.max(
+                cutlass.min(n_tiles - last_tail, tail), 0)
+        # each tile's id goes into its slot from every lane (so the lane that arrives on the full
+        # barrier has written it; the consumers read it after their wait), before the stage is
+        # free: the slot's previous position, pos - 2 stages, was read before its stage was
+        # released for pos - stages, which the producer has acquired already
+        pos = Int32(0)
+        for t in cutlass.range(t_begin, cutlass.min(t_begin + tps - tail, t_end), unroll=1):
+            sTid[pos % slots] = t
+            h = producer.acquire_and_advance()
+            tma_load_tile(tma_atom, tKs, tKg, mBT, breq, t, self.tiles_per_page, h)
+            pos = pos + 1
+        if cutlass.const_expr(self.pool):
+            if cutlass.const_expr(self.early_kv):
+                if pool_len > 0:
+                    cute.arch.griddepcontrol_wait()   # the counters as the last call left them
+            k = self._draw(mCnt, breq, lane, pool_len)
+            while k < pool_len:
+                t = (k // tail) * tps + (tps - tail) + k % tail
+                sTid[pos % slots] = t
+                h = producer.acquire_and_advance()
+                tma_load_tile(tma_atom, tKs, tKg, mBT, breq, t, self.tiles_per_page, h)
+                pos = pos + 1
+                k = self._draw(mCnt, breq, lane, pool_len)
+            if pool_len > 0:
+                if lane == 0:
+                    done = cute.arch.atomic_add(mCnt.iterator + (2 * breq + 1), Int32(1),
+                                                sem="acq_rel", scope="gpu")
+                    if done == active - 1:
+                        mCnt[breq, 0] = 0
+                        mCnt[breq, 1] = 0
+        for _ in cutlass.range_constexpr(self.consumers):
+            sTid[pos % slots] = Int32(-1)
+            h = producer.acquire_and_advance()
+            with cute.arch.elect_one():
+                cute.arch.inline_ptx("mbarrier.complete_tx.shared::cta.b64 [{$r0}], {$r1};",
+                                     read_only_args=[h.barrier.toint(), Int32(self.tma_bytes)])
+            pos = pos + 1
+
+    @cute.jit
+    def _draw(self, mCnt, breq, lane, pool_len) -> Int32:
+        """The request's next pool index (lane 0's relaxed atomic add on mCnt[breq, 0], shared
+        with the warp); pool_len, with no atomic, when there is no pool."""
+        k = pool_len
+        if pool_len > 0:
+            if lane == 0:
+                k = cute.arch.atomic_add(mCnt.iterator + 2 * breq, Int32(1), sem="relaxed",
+                                         scope="gpu")
+            k = cute.arch.shuffle_sync(k, 0)
+        return k
 
     def _p_views(self, sPb, sP_layout, qk_mma, thr_qk, thr_pv, cwarp, lane):
         """PV's B fragment of the P^T buffer sPb, and sPb seen as [tokens, heads] partitioned

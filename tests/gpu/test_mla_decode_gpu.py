@@ -382,6 +382,60 @@ def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("num_splits", [None, 3, 16, 64])
+def test_swapab_tile_pool(num_splits, fp8, monkeypatch):
+    """PDSERVE_MLA_SWAPAB_POOL=1: each split's last quarter of tiles drawn at run time by the
+    request's CTAs. Every tile must be taken once (outputs against the reference) over mixed
+    lengths (short and empty splits, a short last split), H = 32 / 12, early_kv; then a CUDA
+    graph of three calls replayed three times, each replay against the reference (the pool is
+    not bit-deterministic), and the counters back at zero after each (each call's last CTA
+    resets them)."""
+    from pdserve.kernels.mla_decode import mla_decode_reference
+    from pdserve.kernels.mla_decode.cutedsl import kernel_config, mla_decode_cutedsl, pool_counters
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "1")
+    assert kernel_config(fp8, 32, PAGE, core="swapab").pool
+    lens = [1, 65, 256, 3000, 9000 + 17, 20000 + 33, 64 * 37, 129]
+    for H in (32, 12):
+        check(lens, H, fp8, num_splits=num_splits, core="swapab", head_groups=1)
+    check([8192 + 17, 40000, 5], 32, fp8, num_splits=num_splits, core="swapab", early_kv=True,
+          head_groups=1)
+    cases = [make_case(lens, 32, fp8) for lens in ([100, 5000], [70000, 1, 33000], [8192] * 4)]
+    refs = [mla_decode_reference(q, c, bt, seq, SCALE, kv, compute_dtype=torch.float64,
+                                 out_dtype=torch.float64) for q, c, bt, seq, kv in cases]
+    outs = [(torch.empty(q.shape[0], 32, 512, dtype=torch.bfloat16, device="cuda"),
+             torch.empty(q.shape[0], 32, dtype=torch.float32, device="cuda"))
+            for q, *_ in cases]
+
+    def run_all():
+        for (q, c, bt, seq, kv), (o, l) in zip(cases, outs):
+            mla_decode_cutedsl(q, c, bt, seq, SCALE, kv, max_seq_len=int(seq.max()), out=o,
+                               lse=l, core="swapab", early_kv=True, head_groups=1,
+                               num_splits=num_splits)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_all()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        run_all()
+    counters = pool_counters(torch.device("cuda", torch.cuda.current_device()), s.cuda_stream, 4)
+    for _ in range(3):
+        for o, l in outs:
+            o.fill_(float("nan"))
+            l.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert int(torch.count_nonzero(counters)) == 0
+        for (o, l), (ro, rl) in zip(outs, refs):
+            err = (o.double() - ro).flatten(1).norm(dim=1) / ro.flatten(1).norm(dim=1)
+            assert err.max() < 1.5e-2, err
+            assert (l.double() - rl).abs().max() < 1e-2
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("early_kv", [False, True])
 def test_swapab_fp8_two_consumer_ring_repeats_bit_identical(early_kv):
     """The shape that exposed the odd two-consumer ring's race (session 14: B=64 L=128K H=12
