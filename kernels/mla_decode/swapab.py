@@ -304,7 +304,6 @@ BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q s
 BAR_ORDER = 4               # two consumers, ordered S^T (opt-in): consumer c waits on id 4 + c
 LAZY_MAX_SLACK = 8.0        # lazy maxima: P up to 2^8 before the running maximum moves
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
-POOL_CHUNK = 2              # tile pool: tiles per draw
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
 FP8_BLOCK = TILE_N * 64     # bytes of one [64 tokens, 64 dims] column block of the raw fp8 tile
@@ -450,7 +449,7 @@ class MlaDecodeSwapAbKernel:
                        and env_choice("PDSERVE_MLA_SWAPAB_QHALF", ("0", "1")) != "0")
         # tile pool (opt-in, PDSERVE_MLA_SWAPAB_POOL=1): with more than one split, each split's
         # last quarter of tiles goes into a pool per request that the request's CTAs draw
-        # from at run time (POOL_CHUNK tiles a draw, a per-request counter), so that CTAs that
+        # from at run time (one tile a draw, a per-request counter), so that CTAs that
         # run faster take more; the producer hands each tile's id to the consumers through
         # smem (`_produce`). Not with the ordered handshake, which needs the tile count ahead
         self.pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "1")) == "1"
