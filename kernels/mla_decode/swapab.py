@@ -686,7 +686,7 @@ class MlaDecodeSwapAbKernel:
                 # ---------------- producer (as in wgmma.py) ----------------
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp == 0:
-                    self._produce(tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, seqlen, split,
+                    self._produce(tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, b, seqlen,
                                   num_splits, t_begin, t_end, producer)
             else:
                 # ---------------- consumer ----------------
@@ -1021,7 +1021,7 @@ class MlaDecodeSwapAbKernel:
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane, cons)
 
     @cute.jit
-    def _produce(self, tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, seqlen, split, num_splits,
+    def _produce(self, tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, b, seqlen, num_splits,
                  t_begin, t_end, producer):
         """The TMA producer warp: the split's tiles, each id into sTid before its TMA, then one
         end mark (-1; the stage's transaction completed without data) per consumer.
@@ -1030,10 +1030,12 @@ class MlaDecodeSwapAbKernel:
         tiles is not its own. The tails of the request's active splits (those with a tile) form
         its pool, pool index p = tile tps - tail + p % tail of split p // tail, the last split's
         only as far as the request goes. A CTA draws pool indices one at a time through the
-        request's counter mCnt[breq, 0] (relaxed atomic add) after its own tiles, until one is
-        past the pool; then it counts itself done in mCnt[breq, 1] (acq_rel), and the last active
+        request's counter mCnt[b, 0] (relaxed atomic add) after its own tiles, until one is past
+        the pool; then it counts itself done in mCnt[b, 1] (acq_rel), and the last active
         CTA to do so resets both counters: every draw of the call is behind it, and the next
-        call's draws come after its PDL wait, when this grid has completed."""
+        call's draws come after its PDL wait, when this grid has completed. The counters are
+        the launch's request b's: with head groups each group has its own pool (every group
+        reads every tile of request breq)."""
         tKs, tKg = tma_tile_views(tma_atom, mKV_tma, sK)
         slots = 2 * self.stages
         lane = cute.arch.lane_idx()
@@ -1063,21 +1065,21 @@ class MlaDecodeSwapAbKernel:
             if cutlass.const_expr(self.early_kv):
                 if pool_len > 0:
                     cute.arch.griddepcontrol_wait()   # the counters as the last call left them
-            k = self._draw(mCnt, breq, lane, pool_len)
+            k = self._draw(mCnt, b, lane, pool_len)
             while k < pool_len:
                 t = (k // tail) * tps + (tps - tail) + k % tail
                 sTid[pos % slots] = t
                 h = producer.acquire_and_advance()
                 tma_load_tile(tma_atom, tKs, tKg, mBT, breq, t, self.tiles_per_page, h)
                 pos = pos + 1
-                k = self._draw(mCnt, breq, lane, pool_len)
+                k = self._draw(mCnt, b, lane, pool_len)
             if pool_len > 0:
                 if lane == 0:
-                    done = cute.arch.atomic_add(mCnt.iterator + (2 * breq + 1), Int32(1),
+                    done = cute.arch.atomic_add(mCnt.iterator + (2 * b + 1), Int32(1),
                                                 sem="acq_rel", scope="gpu")
                     if done == active - 1:
-                        mCnt[breq, 0] = 0
-                        mCnt[breq, 1] = 0
+                        mCnt[b, 0] = 0
+                        mCnt[b, 1] = 0
         for _ in cutlass.range_constexpr(self.consumers):
             sTid[pos % slots] = Int32(-1)
             h = producer.acquire_and_advance()
@@ -1087,13 +1089,13 @@ class MlaDecodeSwapAbKernel:
             pos = pos + 1
 
     @cute.jit
-    def _draw(self, mCnt, breq, lane, pool_len) -> Int32:
-        """The request's next pool index (lane 0's relaxed atomic add on mCnt[breq, 0], shared
+    def _draw(self, mCnt, b, lane, pool_len) -> Int32:
+        """The request's next pool index (lane 0's relaxed atomic add on mCnt[b, 0], shared
         with the warp); pool_len, with no atomic, when there is no pool."""
         k = pool_len
         if pool_len > 0:
             if lane == 0:
-                k = cute.arch.atomic_add(mCnt.iterator + 2 * breq, Int32(1), sem="relaxed",
+                k = cute.arch.atomic_add(mCnt.iterator + 2 * b, Int32(1), sem="relaxed",
                                          scope="gpu")
             k = cute.arch.shuffle_sync(k, 0)
         return k

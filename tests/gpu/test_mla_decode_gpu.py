@@ -387,7 +387,8 @@ def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
 def test_swapab_tile_pool(num_splits, fp8, monkeypatch):
     """PDSERVE_MLA_SWAPAB_POOL=1: each split's last quarter of tiles drawn at run time by the
     request's CTAs. Every tile must be taken once (outputs against the reference) over mixed
-    lengths (short and empty splits, a short last split), H = 32 / 12, early_kv; then a CUDA
+    lengths (short and empty splits, a short last split), H = 32 / 12, early_kv, two head
+    groups (a pool each); then a CUDA
     graph of three calls replayed three times, each replay against the reference (the pool is
     not bit-deterministic), and the counters back at zero after each (each call's last CTA
     resets them)."""
@@ -400,6 +401,8 @@ def test_swapab_tile_pool(num_splits, fp8, monkeypatch):
         check(lens, H, fp8, num_splits=num_splits, core="swapab", head_groups=1)
     check([8192 + 17, 40000, 5], 32, fp8, num_splits=num_splits, core="swapab", early_kv=True,
           head_groups=1)
+    # two head groups: each group's CTAs draw from their own pool (every group needs every tile)
+    check([129, 8192 + 17, 3000], 32, fp8, num_splits=num_splits, core="swapab", head_groups=2)
     cases = [make_case(lens, 32, fp8) for lens in ([100, 5000], [70000, 1, 33000], [8192] * 4)]
     refs = [mla_decode_reference(q, c, bt, seq, SCALE, kv, compute_dtype=torch.float64,
                                  out_dtype=torch.float64) for q, c, bt, seq, kv in cases]
