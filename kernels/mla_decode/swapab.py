@@ -157,13 +157,15 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     columns' heads through the output / partial code (_store_o_lse). Session 21, A/B on top of
     q_half: +1.1 % / +0.8 % at the cells above. PDSERVE_MLA_SWAPAB_XMERGE=0: consumer 1 hands
     all its columns over and consumer 0 merges and writes them all.
-  * tile ids (session 21, branch mla-tile-pool): the producer writes each ring position's tile
-    id into sTid (2 x stages slots) before its TMA and ends with one mark (-1, the stage's
-    transaction completed with mbarrier.complete_tx, no data) per consumer; the consumers loop
-    while the id they read after their wait is a tile. With PDSERVE_MLA_SWAPAB_POOL=1 the last
-    quarter of each split's tiles goes into a per-request pool drawn at run time (`_produce`;
-    tests/test_mla_tile_pool_model.py models the draws and the counters' reset). Not yet run
-    on the H200.
+  * tile pool (opt-in, PDSERVE_MLA_SWAPAB_POOL=1; session 21, branch mla-tile-pool, not yet
+    run on the H200): the last quarter of each split's tiles goes into a per-request pool drawn
+    at run time (`_produce`; tests/test_mla_tile_pool_model.py models the draws and the
+    counters' reset). The producer writes each ring position's tile id into sTid (2 x stages
+    slots) before its TMA and ends with one mark (-1, the stage's transaction completed with
+    mbarrier.complete_tx, no data) per consumer; the consumers loop while the id they read
+    after their wait is a tile. The tile body is `_tile` either way; without the pool the
+    loops are the static ones, and the kernel body's PTX is the same as before the pool
+    (checked on the CPU build, seven variants; only the counters' kernel parameter is new).
   * optional order (PDSERVE_MLA_SWAPAB_ORDER=1, fp8; off by default): FA3-style handshake on
     named barriers 4 + c (256 threads): tile t's S^T wgmmas start after tile t - 1's retired
     (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
@@ -281,6 +283,7 @@ instead of one of 32 (H200: fp8 B=1 L=8K 23.1 vs 29.4 us; bf16 B=64 L=1K 28.7 vs
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -294,8 +297,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, MlaDecodeKernel,
                                                 _cvt_e4m3x2_f16x2, _prmt, copy_q_rows, env_choice,
                                                 query_tensors, result_tensors, split_tile_range,
-                                                tma_load_tile, tma_tile_views, wgmma_c_mn_view,
-                                                write_empty_split)
+                                                tma_load_tile, tma_produce_tiles, tma_tile_views,
+                                                wgmma_c_mn_view, write_empty_split)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -304,6 +307,46 @@ BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q s
 BAR_ORDER = 4               # two consumers, ordered S^T (opt-in): consumer c waits on id 4 + c
 LAZY_MAX_SLACK = 8.0        # lazy maxima: P up to 2^8 before the running maximum moves
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
+
+
+class _SplitOrder:
+    """Tile t of a consumer that takes its split's tiles t_begin + c, + nc, ... in order: the
+    tile body's questions about its place, built where the body asks them."""
+
+    def __init__(self, t, t_begin, t_end, nc: int):
+        self.t, self.t_begin, self.t_end, self.nc = t, t_begin, t_end, nc
+
+    def buf(self):
+        """This consumer's tile count % 2."""
+        if self.nc == 1:
+            return (self.t - self.t_begin) % 2
+        return ((self.t - self.t_begin) // 2) % 2
+
+    def later(self):
+        """Some tile of the split comes before it (the ordered handshake's wait)."""
+        return self.t > self.t_begin
+
+    def more(self):
+        """Some tile of the split comes after it (the ordered handshake's arrive)."""
+        return self.t + 1 < self.t_end
+
+    def not_first(self):
+        """Not this consumer's first tile (the lazy maxima's exact first step)."""
+        return self.t >= self.t_begin + self.nc
+
+
+class _DrawOrder:
+    """Ring position i of a consumer whose tiles come from sTid (the pool): the same questions,
+    by position. (No ordered handshake with the pool: the tile count is not known ahead.)"""
+
+    def __init__(self, i, nc: int):
+        self.i, self.nc = i, nc
+
+    def buf(self):
+        return (self.i // self.nc) % 2
+
+    def not_first(self):
+        return self.i >= self.nc
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
 FP8_BLOCK = TILE_N * 64     # bytes of one [64 tokens, 64 dims] column block of the raw fp8 tile
@@ -598,11 +641,12 @@ class MlaDecodeSwapAbKernel:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sMax: cute.struct.Align[cute.struct.MemRange[Float32, nc * 2 * N_WARPS * hp], 16]
             sSum: cute.struct.Align[cute.struct.MemRange[Float32, nc * N_WARPS * hp], 16]
-            sTid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * stages], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[qdt, cute.cosize(sQ_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[
                 cdt, nc * self.p_bufs * cute.cosize(sP_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[kvt, cute.cosize(sK_layout)], 1024]
+            # (last, so that the fields before keep their offsets without the pool)
+            sTid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * stages], 16]
 
         # Q: gmem -> smem with cp.async, 16 bytes a copy, the 128 consumer threads
         copy_q = cute.make_tiled_copy_tv(
@@ -655,6 +699,7 @@ class MlaDecodeSwapAbKernel:
             nc = self.consumers
             if cutlass.const_expr(nc == 1):
                 cons = 0                      # the consumer's index
+                sP_all = None                 # (two consumers: both consumers' P^T buffers)
                 sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
                 sMax = storage.sMax.get_tensor(cute.make_layout(
                     (2, N_WARPS, hp), stride=(N_WARPS * hp, hp, 1)))
@@ -686,8 +731,12 @@ class MlaDecodeSwapAbKernel:
                 # ---------------- producer (as in wgmma.py) ----------------
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp == 0:
-                    self._produce(tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, b, seqlen,
-                                  num_splits, t_begin, t_end, producer)
+                    if cutlass.const_expr(self.pool):
+                        self._produce(tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, b, seqlen,
+                                      num_splits, t_begin, t_end, producer)
+                    else:
+                        tma_produce_tiles(tma_atom, mKV_tma, sK, mBT, breq, t_begin, t_end,
+                                          self.tiles_per_page, producer)
             else:
                 # ---------------- consumer ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -842,138 +891,40 @@ class MlaDecodeSwapAbKernel:
                     # (i // stages) % 2); consumer c waits on i = c, c + 2, ...: its state starts
                     # c stages in and moves 2 a tile (the other consumer's stage in between)
                     consumer.advance(cons)
-                # ring position i (consumer c: c, c + nc, ...), its tile t from sTid; -1 ends
-                i = Int32(cons)
-                h = consumer.wait()
-                t = sTid[i % (2 * self.stages)]
-                while t >= 0:
-                    consumer.advance(nc)
-                    buf = (i // nc) % 2               # this consumer's tile count % 2
-                    kstage = h.index
-                    last = (t + 1) * TILE_N > seqlen
-                    if cutlass.const_expr(self.kv_fp8):
-                        # S^T = K (Q_hi + Q_lo)^T, fp8 wgmma with A = the stage in smem
-                        # (_fp8_qk; retired when it returns); V rows past the end are zeroed in
-                        # registers in PV, K rows past the end only reach masked S^T rows
-                        soff = kstage * (TILE_N * D_QK)
-                        if cutlass.const_expr(self.ordered):
-                            # after position i - 1's S^T (the other consumer's): one arrive
-                            # per position below the last, one wait per position above the
-                            # first, so the counts match for any tile count (static tiles only:
-                            # the pool is refused with this handshake)
-                            if i > 0:
-                                cute.arch.barrier(barrier_id=BAR_ORDER + cons,
-                                                  number_of_threads=256)
-                        if cutlass.const_expr(self.qk_joint):
-                            self._fp8_qk_joint(qkj_mma, acc_S, acc_T, tSrK, tSrQ, kstage, fold)
+                ctx = SimpleNamespace(
+                    seqlen=seqlen, cons=cons, sK=sK, sV_layout=sV_layout, wtid=wtid, bar=bar,
+                    cwarp=cwarp, lane=lane, qk_mma=qk_mma, qkj_mma=qkj_mma, pv_mma=pv_mma,
+                    thr_qk=thr_qk, thr_pv=thr_pv, tSrK=tSrK, tSrQ=tSrQ, acc_S=acc_S, acc_O=acc_O,
+                    acc_S_mn=acc_S_mn, acc_O_mn=acc_O_mn, rS=rS, rS_mn=rS_mn, rP=rP,
+                    tScS_mn=tScS_mn, tOrP=tOrP, tSsP=tSsP, sMax=sMax, sP_all=sP_all,
+                    sP_layout=sP_layout, col_max=col_max, col_sum=col_sum, w_max=w_max,
+                    scale_s=scale_s, n_k=n_k, n_rows=n_rows, n_cols=n_cols)
+                if cutlass.const_expr(self.kv_fp8):
+                    ctx.v_addr, ctx.v_tok, ctx.acc_O_grp = v_addr, v_tok, acc_O_grp
+                    ctx.acc_T, ctx.fold = acc_T, fold
+                if cutlass.const_expr(not self.pool):
+                    for t in cutlass.range(t_begin + cons, t_end, nc, unroll=1):
+                        if cutlass.const_expr(nc == 1):
+                            h = consumer.wait_and_advance()
                         else:
-                            self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
-                        vw_first = None
-                        if cutlass.const_expr(self.pv_prefetch and not self.lazy_max):
-                            # PV's first V words, loaded now: their latency hides behind the
-                            # softmax (lazy maxima: after it, see below)
-                            vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
-                        if cutlass.const_expr(self.ordered):
-                            if i + 1 < t_end - t_begin:
-                                cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cons,
-                                                         number_of_threads=256)
-                    else:
-                        if last:
-                            # zero the V rows past the end (4 of the 512 columns per thread)
-                            sKz = sK[None, None, kstage]
-                            for r in cutlass.range(seqlen - t * TILE_N, TILE_N, unroll=1):
-                                for j in cutlass.range_constexpr(4):
-                                    sKz[r, 4 * wtid + j] = BFloat16(0.0)
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            cute.arch.barrier(barrier_id=bar, number_of_threads=128)
-
-                        # S^T = K Q^T
-                        warpgroup.fence()
-                        for k in cutlass.range_constexpr(n_k):
-                            qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                            cute.gemm(qk_mma, acc_S, tSrK[None, None, k, kstage],
-                                      tSrQ[None, None, k], acc_S)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-
-                    if last:
-                        for r in cutlass.range_constexpr(n_rows):
-                            row = tScS_mn[r, 0][0]
-                            if t * TILE_N + row >= seqlen:
-                                for c in cutlass.range_constexpr(n_cols):
-                                    acc_S_mn[r, c] = -Float32.inf
-
-                    # column (= head) maxima of this thread's 2 rows; exact step: of the warp's
-                    # rows (the 8 lanes of the column), published to the other warps
-                    for c in cutlass.range_constexpr(n_cols):
-                        w_max[c] = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX,
-                                                                   -Float32.inf, 0)
-                        if cutlass.const_expr(not self.lazy_max):
-                            self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
-                    if cutlass.const_expr(self.lazy_max):
-                        # this tile's P^T buffer (two per consumer, alternating)
-                        tOrP, tSsP = self._p_views(sP_all[None, None, 2 * cons + buf], sP_layout,
-                                                  qk_mma, thr_qk, thr_pv, cwarp, lane)
-                        # P against the running maxima as they are; exact unless a thread saw a
-                        # column rise above its maximum by more than LAZY_MAX_SLACK (log2 units),
-                        # which every warp learns from the barrier's OR (so no shuffles here);
-                        # the consumer's first tile (no maxima yet) always goes the exact way
-                        redo = Int32(1)
-                        if i >= nc:
-                            rise = Int32(0)
-                            for c in cutlass.range_constexpr(n_cols):
-                                rise = rise | Int32((w_max[c] - col_max[c]) * scale_s
-                                                    > LAZY_MAX_SLACK)
-                            psum = cute.make_rmem_tensor((n_cols,), Float32)
-                            for c in cutlass.range_constexpr(n_cols):
-                                p = cute.math.exp2(acc_S_mn[None, c].load() * scale_s
-                                                   - col_max[c] * scale_s, fastmath=True)
-                                psum[c] = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-                                rS_mn[None, c] = p
-                            self._store_pt(rP, rS, tSsP)
-                            redo = _barrier_or(bar, 128, rise)
-                            if redo == 0:
-                                for c in cutlass.range_constexpr(n_cols):
-                                    col_sum[c] = col_sum[c] + psum[c]
-                        if redo != 0:
-                            for c in cutlass.range_constexpr(n_cols):
-                                self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
-                            self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
-                                                tSsP, sMax, buf, tScS_mn, bar, scale_s)
-                    else:
-                        self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP, tSsP,
-                                            sMax, buf, tScS_mn, bar, scale_s)
-
-                    # O^T += V^T P^T
-                    if cutlass.const_expr(self.kv_fp8):
-                        if cutlass.const_expr(self.pv_prefetch and self.lazy_max):
-                            # loaded here: 16 registers held across the lazy softmax spill
-                            vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
-                        # A = V^T gathered and widened in registers; the stage is released
-                        # after its last fragment load, before the last wgmma group retires
-                        # the V words are zeroed past the end only on the last tile, the only
-                        # one that has such tokens (a select per word and k-step otherwise)
-                        # (set here, not in the branches: the traced atom must not change
-                        # inside one)
-                        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        if last:
-                            self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
-                                         seqlen - t * TILE_N, h, vw_first, True)
-                        else:
-                            self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
-                                         TILE_N, h, vw_first, False)
-                    else:
-                        sV = cute.make_tensor(sK[None, None, kstage].iterator, sV_layout.outer)
-                        tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sV))    # (MMA, 8, 4)
-                        warpgroup.fence()
-                        pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        cute.gemm(pv_mma, acc_O, tOrV, tOrP, acc_O)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        h.release()
-                    i = i + nc
+                            h = consumer.wait()
+                            consumer.advance(2)
+                        # (the MMA atoms' accumulate fields are set inside: rebound here so
+                        # that the loop carries them)
+                        qk_mma, qkj_mma, pv_mma, thr_qk, thr_pv = self._tile(
+                            ctx, h, t, _SplitOrder(t, t_begin, t_end, nc))
+                else:
+                    # ring position i (consumer c: c, c + nc, ...), its tile t from sTid; -1 ends
+                    i = Int32(cons)
                     h = consumer.wait()
                     t = sTid[i % (2 * self.stages)]
+                    while t >= 0:
+                        consumer.advance(nc)
+                        qk_mma, qkj_mma, pv_mma, thr_qk, thr_pv = self._tile(
+                            ctx, h, t, _DrawOrder(i, nc))
+                        i = i + nc
+                        h = consumer.wait()
+                        t = sTid[i % (2 * self.stages)]
 
                 # ---- epilogue: column sums across lanes and warps, normalize, LSE ----
                 for c in cutlass.range_constexpr(n_cols):
@@ -1021,12 +972,158 @@ class MlaDecodeSwapAbKernel:
                                       mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane, cons)
 
     @cute.jit
+    def _tile(self, ctx, h, t, pos):
+        """One tile of a consumer: S^T, the online softmax, PV; the stage handle h released.
+        ctx holds the consumer's state (made once before its loop), pos the tile's place in the
+        consumer's order (_SplitOrder / _DrawOrder). Returns the MMA atoms, whose accumulate
+        fields it sets, and their thread slices, for the caller's loop to carry."""
+        seqlen, cons, sK, sV_layout, wtid, bar = (ctx.seqlen, ctx.cons, ctx.sK, ctx.sV_layout,
+                                                  ctx.wtid, ctx.bar)
+        cwarp, lane, qk_mma, qkj_mma, pv_mma = ctx.cwarp, ctx.lane, ctx.qk_mma, ctx.qkj_mma, \
+            ctx.pv_mma
+        thr_qk, thr_pv, tSrK, tSrQ = ctx.thr_qk, ctx.thr_pv, ctx.tSrK, ctx.tSrQ
+        acc_S, acc_O, acc_S_mn, acc_O_mn = ctx.acc_S, ctx.acc_O, ctx.acc_S_mn, ctx.acc_O_mn
+        rS, rS_mn, rP, tScS_mn, tOrP, tSsP = (ctx.rS, ctx.rS_mn, ctx.rP, ctx.tScS_mn, ctx.tOrP,
+                                             ctx.tSsP)
+        sMax, sP_all, sP_layout = ctx.sMax, ctx.sP_all, ctx.sP_layout
+        col_max, col_sum, w_max, scale_s = ctx.col_max, ctx.col_sum, ctx.w_max, ctx.scale_s
+        n_k, n_rows, n_cols = ctx.n_k, ctx.n_rows, ctx.n_cols
+        if cutlass.const_expr(self.kv_fp8):
+            v_addr, v_tok, acc_O_grp = ctx.v_addr, ctx.v_tok, ctx.acc_O_grp
+            acc_T, fold = ctx.acc_T, ctx.fold
+        buf = pos.buf()                   # this consumer's tile count % 2
+        kstage = h.index
+        last = (t + 1) * TILE_N > seqlen
+        if cutlass.const_expr(self.kv_fp8):
+            # S^T = K (Q_hi + Q_lo)^T, fp8 wgmma with A = the stage in smem
+            # (_fp8_qk; retired when it returns); V rows past the end are zeroed in
+            # registers in PV, K rows past the end only reach masked S^T rows
+            soff = kstage * (TILE_N * D_QK)
+            if cutlass.const_expr(self.ordered):
+                # after position i - 1's S^T (the other consumer's): one arrive
+                # per position below the last, one wait per position above the
+                # first, so the counts match for any tile count (static tiles only:
+                # the pool is refused with this handshake)
+                if pos.later():
+                    cute.arch.barrier(barrier_id=BAR_ORDER + cons,
+                                      number_of_threads=256)
+            if cutlass.const_expr(self.qk_joint):
+                self._fp8_qk_joint(qkj_mma, acc_S, acc_T, tSrK, tSrQ, kstage, fold)
+            else:
+                self._fp8_qk(qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage)
+            vw_first = None
+            if cutlass.const_expr(self.pv_prefetch and not self.lazy_max):
+                # PV's first V words, loaded now: their latency hides behind the
+                # softmax (lazy maxima: after it, see below)
+                vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
+            if cutlass.const_expr(self.ordered):
+                if pos.more():
+                    cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cons,
+                                             number_of_threads=256)
+        else:
+            if last:
+                # zero the V rows past the end (4 of the 512 columns per thread)
+                sKz = sK[None, None, kstage]
+                for r in cutlass.range(seqlen - t * TILE_N, TILE_N, unroll=1):
+                    for j in cutlass.range_constexpr(4):
+                        sKz[r, 4 * wtid + j] = BFloat16(0.0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+
+            # S^T = K Q^T
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(n_k):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                cute.gemm(qk_mma, acc_S, tSrK[None, None, k, kstage],
+                          tSrQ[None, None, k], acc_S)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+        if last:
+            for r in cutlass.range_constexpr(n_rows):
+                row = tScS_mn[r, 0][0]
+                if t * TILE_N + row >= seqlen:
+                    for c in cutlass.range_constexpr(n_cols):
+                        acc_S_mn[r, c] = -Float32.inf
+
+        # column (= head) maxima of this thread's 2 rows; exact step: of the warp's
+        # rows (the 8 lanes of the column), published to the other warps
+        for c in cutlass.range_constexpr(n_cols):
+            w_max[c] = acc_S_mn[None, c].load().reduce(cute.ReductionOp.MAX,
+                                                       -Float32.inf, 0)
+            if cutlass.const_expr(not self.lazy_max):
+                self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
+        if cutlass.const_expr(self.lazy_max):
+            # this tile's P^T buffer (two per consumer, alternating)
+            tOrP, tSsP = self._p_views(sP_all[None, None, 2 * cons + buf], sP_layout,
+                                      qk_mma, thr_qk, thr_pv, cwarp, lane)
+            # P against the running maxima as they are; exact unless a thread saw a
+            # column rise above its maximum by more than LAZY_MAX_SLACK (log2 units),
+            # which every warp learns from the barrier's OR (so no shuffles here);
+            # the consumer's first tile (no maxima yet) always goes the exact way
+            redo = Int32(1)
+            if pos.not_first():
+                rise = Int32(0)
+                for c in cutlass.range_constexpr(n_cols):
+                    rise = rise | Int32((w_max[c] - col_max[c]) * scale_s
+                                        > LAZY_MAX_SLACK)
+                psum = cute.make_rmem_tensor((n_cols,), Float32)
+                for c in cutlass.range_constexpr(n_cols):
+                    p = cute.math.exp2(acc_S_mn[None, c].load() * scale_s
+                                       - col_max[c] * scale_s, fastmath=True)
+                    psum[c] = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+                    rS_mn[None, c] = p
+                self._store_pt(rP, rS, tSsP)
+                redo = _barrier_or(bar, 128, rise)
+                if redo == 0:
+                    for c in cutlass.range_constexpr(n_cols):
+                        col_sum[c] = col_sum[c] + psum[c]
+            if redo != 0:
+                for c in cutlass.range_constexpr(n_cols):
+                    self._publish_max(w_max, sMax, buf, cwarp, lane, tScS_mn, c)
+                self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP,
+                                    tSsP, sMax, buf, tScS_mn, bar, scale_s)
+        else:
+            self._softmax_exact(col_max, col_sum, acc_S, acc_S_mn, acc_O_mn, rP, tSsP,
+                                sMax, buf, tScS_mn, bar, scale_s)
+
+        # O^T += V^T P^T
+        if cutlass.const_expr(self.kv_fp8):
+            if cutlass.const_expr(self.pv_prefetch and self.lazy_max):
+                # loaded here: 16 registers held across the lazy softmax spill
+                vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
+            # A = V^T gathered and widened in registers; the stage is released
+            # after its last fragment load, before the last wgmma group retires
+            # the V words are zeroed past the end only on the last tile, the only
+            # one that has such tokens (a select per word and k-step otherwise)
+            # (set here, not in the branches: the traced atom must not change
+            # inside one)
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            if last:
+                self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
+                             seqlen - t * TILE_N, h, vw_first, True)
+            else:
+                self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
+                             TILE_N, h, vw_first, False)
+        else:
+            sV = cute.make_tensor(sK[None, None, kstage].iterator, sV_layout.outer)
+            tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sV))    # (MMA, 8, 4)
+            warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            cute.gemm(pv_mma, acc_O, tOrV, tOrP, acc_O)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            h.release()
+        return qk_mma, qkj_mma, pv_mma, thr_qk, thr_pv
+
+    @cute.jit
     def _produce(self, tma_atom, mKV_tma, sK, sTid, mBT, mCnt, breq, b, seqlen, num_splits,
                  t_begin, t_end, producer):
-        """The TMA producer warp: the split's tiles, each id into sTid before its TMA, then one
-        end mark (-1; the stage's transaction completed without data) per consumer.
+        """The TMA producer warp with the pool (without it: tma_produce_tiles): the split's tiles,
+        each id into sTid before its TMA, then one end mark (-1; the stage's transaction
+        completed without data) per consumer.
 
-        Pool (self.pool, more than one split): the last quarter (`tail`) of each split's tps
+        With more than one split, the last quarter (`tail`) of each split's tps
         tiles is not its own. The tails of the request's active splits (those with a tile) form
         its pool, pool index p = tile tps - tail + p % tail of split p // tail, the last split's
         only as far as the request goes. A CTA draws pool indices one at a time through the
@@ -1042,9 +1139,8 @@ class MlaDecodeSwapAbKernel:
         n_tiles = (seqlen + (TILE_N - 1)) // TILE_N
         tps = (n_tiles + num_splits - 1) // num_splits
         tail = Int32(0)
-        if cutlass.const_expr(self.pool):
-            if num_splits > 1:
-                tail = tps // 4
+        if num_splits > 1:
+            tail = tps // 4
         active = (n_tiles + tps - 1) // tps
         pool_len = Int32(0)
         if tail > 0:
@@ -1061,25 +1157,24 @@ class MlaDecodeSwapAbKernel:
             h = producer.acquire_and_advance()
             tma_load_tile(tma_atom, tKs, tKg, mBT, breq, t, self.tiles_per_page, h)
             pos = pos + 1
-        if cutlass.const_expr(self.pool):
-            if cutlass.const_expr(self.early_kv):
-                if pool_len > 0:
-                    cute.arch.griddepcontrol_wait()   # the counters as the last call left them
-            k = self._draw(mCnt, b, lane, pool_len)
-            while k < pool_len:
-                t = (k // tail) * tps + (tps - tail) + k % tail
-                sTid[pos % slots] = t
-                h = producer.acquire_and_advance()
-                tma_load_tile(tma_atom, tKs, tKg, mBT, breq, t, self.tiles_per_page, h)
-                pos = pos + 1
-                k = self._draw(mCnt, b, lane, pool_len)
+        if cutlass.const_expr(self.early_kv):
             if pool_len > 0:
-                if lane == 0:
-                    done = cute.arch.atomic_add(mCnt.iterator + (2 * b + 1), Int32(1),
-                                                sem="acq_rel", scope="gpu")
-                    if done == active - 1:
-                        mCnt[b, 0] = 0
-                        mCnt[b, 1] = 0
+                cute.arch.griddepcontrol_wait()   # the counters as the last call left them
+        k = self._draw(mCnt, b, lane, pool_len)
+        while k < pool_len:
+            t = (k // tail) * tps + (tps - tail) + k % tail
+            sTid[pos % slots] = t
+            h = producer.acquire_and_advance()
+            tma_load_tile(tma_atom, tKs, tKg, mBT, breq, t, self.tiles_per_page, h)
+            pos = pos + 1
+            k = self._draw(mCnt, b, lane, pool_len)
+        if pool_len > 0:
+            if lane == 0:
+                done = cute.arch.atomic_add(mCnt.iterator + (2 * b + 1), Int32(1),
+                                            sem="acq_rel", scope="gpu")
+                if done == active - 1:
+                    mCnt[b, 0] = 0
+                    mCnt[b, 1] = 0
         for _ in cutlass.range_constexpr(self.consumers):
             sTid[pos % slots] = Int32(-1)
             h = producer.acquire_and_advance()
