@@ -861,13 +861,13 @@ def test_swapab_fp8_qk_joint_override(monkeypatch, tmp_path):
 
 
 def test_swapab_tile_pool_compiles(monkeypatch, tmp_path):
-    """PDSERVE_MLA_SWAPAB_POOL=1: the producer draws pool tiles with a relaxed atomic add (two
+    """PDSERVE_MLA_SWAPAB_POOL=4: the producer draws pool tiles with a relaxed atomic add (two
     call sites: the first draw and the loop's), counts itself done with one acq_rel add, and
     ends each consumer's loop with a transaction completed without data (one per consumer);
     its own compile-cache entry; refused with the ordered handshake; no spill at fp8."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
     base = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1]
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "1")
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
     k = mc.kernel_config(True, 32, 64, core="swapab")
     assert k.pool and mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is not base
     fn = mc.compile_main(True, 32, 64, core="swapab", dump_dir=str(tmp_path), early_kv=True)

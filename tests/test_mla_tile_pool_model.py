@@ -1,8 +1,8 @@
-"""The swapab kernel's tile pool (PDSERVE_MLA_SWAPAB_POOL=1, kernels/mla_decode/swapab.py
+"""The swapab kernel's tile pool (PDSERVE_MLA_SWAPAB_POOL=N, kernels/mla_decode/swapab.py
 `_produce`) as a model run over random event orders (CPU, no CuTe DSL needed).
 
 With more than one split, each split of a request keeps the first tps - tail of its tps tiles
-(tail = tps // 4) and the tails of the request's active splits form a pool that the CTAs draw
+(tail = tps // N, N = 2, 4 or 8) and the tails of the request's active splits form a pool that the CTAs draw
 from, one index at a time, through a per-request counter, after their own tiles. A CTA that
 draws past the pool counts itself done in a second counter; the last active CTA to do so resets
 both. The model checks, for many request lengths and split counts and random interleavings of
@@ -18,10 +18,10 @@ import pytest
 TILE_N = 64
 
 
-def plan(n_tiles: int, num_splits: int, pool: bool = True):
-    """(tps, tail, active, pool_len) as _produce computes them."""
+def plan(n_tiles: int, num_splits: int, pool_div: int = 4):
+    """(tps, tail, active, pool_len) as _produce computes them (pool_div 0: no pool)."""
     tps = -(-n_tiles // num_splits)
-    tail = tps // 4 if pool and num_splits > 1 else 0
+    tail = tps // pool_div if pool_div and num_splits > 1 else 0
     active = -(-n_tiles // tps)
     pool_len = 0
     if tail > 0:
@@ -34,9 +34,10 @@ def pool_tile(k: int, tps: int, tail: int) -> int:
     return (k // tail) * tps + (tps - tail) + k % tail
 
 
-def run_call(n_tiles: int, num_splits: int, counters: list[int], rng: random.Random):
+def run_call(n_tiles: int, num_splits: int, pool_div: int, counters: list[int],
+             rng: random.Random):
     """One call's CTAs in a random order of atomics; returns each CTA's tiles in ring order."""
-    tps, tail, active, pool_len = plan(n_tiles, num_splits)
+    tps, tail, active, pool_len = plan(n_tiles, num_splits, pool_div)
     taken = {}
     for s in range(num_splits):
         t_begin, t_end = s * tps, min(s * tps + tps, n_tiles)
@@ -64,12 +65,13 @@ CASES = [(n, s) for n in (1, 2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 63, 100, 128, 129,
          for s in (1, 2, 3, 16, 33, 64, 132)]
 
 
+@pytest.mark.parametrize("pool_div", [2, 4, 8])
 @pytest.mark.parametrize("n_tiles,num_splits", CASES)
-def test_every_tile_once_and_counters_reset(n_tiles, num_splits):
-    rng = random.Random(n_tiles * 1009 + num_splits)
+def test_every_tile_once_and_counters_reset(n_tiles, num_splits, pool_div):
+    rng = random.Random(n_tiles * 1009 + num_splits * 7 + pool_div)
     counters = [0, 0]
     for _ in range(4):                  # calls reusing the counters
-        taken = run_call(n_tiles, num_splits, counters, rng)
+        taken = run_call(n_tiles, num_splits, pool_div, counters, rng)
         tiles = sorted(t for ts in taken.values() for t in ts)
         assert tiles == list(range(n_tiles))
         assert counters == [0, 0]
@@ -86,4 +88,6 @@ def test_pool_shapes():
     assert plan(513, 16) == (33, 8, 16, 120)        # last split: tiles 495..512, all static
     assert plan(128, 2) == (64, 16, 2, 32)
     assert plan(512, 1)[1] == 0 and plan(24, 8)[1] == 0
-    assert plan(512, 16, pool=False)[3] == 0
+    assert plan(512, 16, pool_div=0)[3] == 0
+    assert plan(512, 16, pool_div=2) == (32, 16, 16, 256)   # half of every split pooled
+    assert plan(128, 2, pool_div=8) == (64, 8, 2, 16)

@@ -1197,7 +1197,7 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
                int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight,
                k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half, k.xmerge,
-               k.pool)
+               k.pool_div)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:

@@ -490,14 +490,16 @@ class MlaDecodeSwapAbKernel:
         # PDSERVE_MLA_SWAPAB_QHALF=0 turns it off (A/B runs)
         self.q_half = (self.kv_fp8 and consumers == 2
                        and env_choice("PDSERVE_MLA_SWAPAB_QHALF", ("0", "1")) != "0")
-        # tile pool (opt-in, PDSERVE_MLA_SWAPAB_POOL=1): with more than one split, each split's
-        # last quarter of tiles goes into a pool per request that the request's CTAs draw
-        # from at run time (one tile a draw, a per-request counter), so that CTAs that
-        # run faster take more; the producer hands each tile's id to the consumers through
-        # smem (`_produce`). Not with the ordered handshake, which needs the tile count ahead
-        self.pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "1")) == "1"
+        # tile pool (opt-in, PDSERVE_MLA_SWAPAB_POOL=N for N in 2, 4, 8): with more than one
+        # split, the last 1/N of each split's tiles goes into a pool per request that the
+        # request's CTAs draw from at run time (one tile a draw, a per-request counter), so
+        # that CTAs that run faster take more; the producer hands each tile's id to the
+        # consumers through smem (`_produce`). Not with the ordered handshake, which needs the
+        # tile count ahead
+        self.pool_div = int(env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "2", "4", "8")) or 0)
+        self.pool = self.pool_div > 0
         if self.pool and self.ordered:
-            raise ValueError("PDSERVE_MLA_SWAPAB_POOL=1 does not go with "
+            raise ValueError("PDSERVE_MLA_SWAPAB_POOL does not go with "
                              "PDSERVE_MLA_SWAPAB_ORDER=1")
         assert self.merge_bytes <= self.stages * per_stage
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
@@ -1123,7 +1125,7 @@ class MlaDecodeSwapAbKernel:
         each id into sTid before its TMA, then one end mark (-1; the stage's transaction
         completed without data) per consumer.
 
-        With more than one split, the last quarter (`tail`) of each split's tps
+        With more than one split, the last 1/pool_div (`tail`) of each split's tps
         tiles is not its own. The tails of the request's active splits (those with a tile) form
         its pool, pool index p = tile tps - tail + p % tail of split p // tail, the last split's
         only as far as the request goes. A CTA draws pool indices one at a time through the
@@ -1140,7 +1142,7 @@ class MlaDecodeSwapAbKernel:
         tps = (n_tiles + num_splits - 1) // num_splits
         tail = Int32(0)
         if num_splits > 1:
-            tail = tps // 4
+            tail = tps // self.pool_div
         active = (n_tiles + tps - 1) // tps
         pool_len = Int32(0)
         if tail > 0:
