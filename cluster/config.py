@@ -85,6 +85,10 @@ class DecodeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # terms (as precise as the bf16 query), "single" = one e4m3 term like vLLM's fp8 MLA path
     # (faster: half the score MMAs; adds the query's e4m3 rounding to the scores)
     mla_fp8_query: Literal["split", "single"] = "split"
+    # bit-identical MLA outputs from run to run for equal inputs (backend cutedsl): turns off
+    # the fp8 kernel's tile pool, which balances a request's last tiles between its CTAs at
+    # run time (1.5-4 % of the kernel's time at fp8 H=32)
+    mla_deterministic: bool = False
 
 
 class TransferSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -392,6 +396,7 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
                  ("decode", cfg.decode, f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}"
                   + (" (MLA fp8 query: single e4m3 term)"
                      if cfg.decode.mla_fp8_query == "single" else "")
+                  + (", deterministic MLA" if cfg.decode.mla_deterministic else "")
                   + f", max batch {cfg.decode.max_batch}")]
     for role, sec, extra in pools:
         if role == "prefill" and cfg.vllm:

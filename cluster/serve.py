@@ -120,7 +120,8 @@ def decode_kwargs(cfg: ServeConfig) -> dict:
                               cfg.transfer.verify, cfg.transfer.lease_s)
     return dict(layout=cfg.decode_layout(), num_pages=cfg.decode.num_pages,
                 num_slots=cfg.decode.num_slots, backend=cfg.decode.backend, transfer=transfer,
-                cuda_graphs=cfg.decode.cuda_graphs, mla_fp8_query=cfg.decode.mla_fp8_query)
+                cuda_graphs=cfg.decode.cuda_graphs, mla_fp8_query=cfg.decode.mla_fp8_query,
+                mla_deterministic=cfg.decode.mla_deterministic)
 
 
 def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Instance]) -> Router:

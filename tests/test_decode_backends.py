@@ -177,6 +177,23 @@ def test_mla_step_passes_the_fp8_query_mode(monkeypatch):
         mla_step_for("cutedsl", "half")
 
 
+def test_mla_step_passes_determinism(monkeypatch):
+    """decode.mla_deterministic reaches the op: the resolved implementation is called with
+    deterministic=True only when asked (the default call keeps the kernel's default), next to
+    fp8_query; the reference backend has no step either way."""
+    seen = []
+    monkeypatch.setattr(registry, "resolve", lambda op, backend, problem: registry.Resolution(
+        lambda *args, **opts: seen.append(opts), backend, None))
+    q = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
+    args = (q, torch.zeros(2, 64, 576, dtype=torch.bfloat16), None, None, 1.0)
+    mla_step_for("cutedsl")(*args, out=1)
+    mla_step_for("cutedsl", deterministic=True)(*args, out=2)
+    mla_step_for("cutedsl", "single", True)(*args)
+    assert seen == [{"out": 1}, {"deterministic": True, "out": 2},
+                    {"fp8_query": "single", "deterministic": True}]
+    assert mla_step_for("reference", deterministic=True) is None
+
+
 def test_quantize_query_e4m3_scales_each_request():
     """The single-term query takes its power-of-two scale per request (as the kernel per CTA):
     a batch of requests 1e-3, 1 and 50 times randn rounds each like that request alone, with the

@@ -74,7 +74,9 @@ def test_wgmma_core_compiles(kv_fp8, page_tokens, tmp_path):
     # S: 36 wgmma m64n64k16 (K = 576); PV: 4 wgmma m64n256k16 with a register A, transposed B
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 36
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 4
-    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    # one TMA box per 64 columns, in the loop over the split's own tiles and in the tile
+    # pool's (the fp8 default)
+    assert k.pool_div == 4 and ptx.count("cp.async.bulk.tensor.2d") == 9 * 2
     assert ptx.count("setmaxnreg") == 2
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
@@ -98,7 +100,9 @@ def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("wgmma.mma_async.sync.aligned.") == 36 + 8 * 4
     # S has both operands K-major; PV has an MN-major (transposed) A = V^T
     assert ptx.count(", p, 1,  1, 0, 0;") == 36 and ptx.count(", p, 1,  1, 1, 0;") == 32
-    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    # one TMA box per 64 columns, in the loop over the split's own tiles and in the tile
+    # pool's (the fp8 default)
+    assert k.pool_div == 4 and ptx.count("cp.async.bulk.tensor.2d") == 9 * 2
     assert ptx.count("setmaxnreg") == 2
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
@@ -229,7 +233,9 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     # S^T in 9 chunks of 4 (qk_promote), O^T in groups of pv_group blocks: one fence / commit each
     assert ptx.count("wgmma.fence.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
     assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
-    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
+    # one TMA box per 64 columns, in the loop over the split's own tiles and in the tile
+    # pool's (the fp8 default)
+    assert k.pool_div == 4 and ptx.count("cp.async.bulk.tensor.2d") == 9 * 2
     # one decrease (producer, 24) and one increase (both consumers, 240): 128 x 24 + 256 x 240
     assert ptx.count("setmaxnreg") == 2
     assert "setmaxnreg.dec.sync.aligned.u32 \t24;" in ptx
@@ -788,7 +794,9 @@ def test_swapab_head_groups_compile_as_their_own_variant():
 def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, core, kv_fp8):
     # default: one griddepcontrol.wait at the kernel's entry, ahead of every global access;
     # early_kv: none at entry, one in the empty-split branch and one after the KV loads are
-    # issued (before Q is read) -- two in the PTX
+    # issued (before Q is read) -- two in the PTX; the swapab fp8 tile pool's producer waits
+    # once more before its first draw (the counters as the previous call left them)
+    pool = int(core == "swapab" and mc.kernel_config(kv_fp8, 16, 64, core=core).pool)
     waits = {}
     for early in (False, True):
         dump = tmp_path / f"{core}-{kv_fp8}-{early}"
@@ -797,7 +805,7 @@ def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, core, kv_f
         ptx = "".join(p.read_text() for p in dump.glob("*.ptx"))
         waits[early] = ptx.count("griddepcontrol.wait")
         assert ptx.count("griddepcontrol.launch_dependents") == 1
-    assert waits == {False: 1, True: 2}, waits
+    assert waits == {False: 1, True: 2 + pool}, waits
 
 
 def test_check_inputs_names_the_problem():
@@ -864,12 +872,19 @@ def test_swapab_tile_pool_compiles(monkeypatch, tmp_path):
     """PDSERVE_MLA_SWAPAB_POOL=4: the producer draws pool tiles with a relaxed atomic add (two
     call sites: the first draw and the loop's), counts itself done with one acq_rel add, and
     ends each consumer's loop with a transaction completed without data (one per consumer);
-    its own compile-cache entry; refused with the ordered handshake; no spill at fp8."""
+    the fp8 default (4; bf16 and deterministic none) and its compile-cache entries; refused with
+    the ordered handshake, which has no pool by default; no spill at fp8."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
-    base = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1]
+    assert mc.kernel_config(True, 32, 64, core="swapab").pool_div == 4       # the fp8 default
+    assert mc.kernel_config(False, 32, 64, core="swapab").pool_div == 0      # bf16: none
+    assert mc.kernel_config(True, 32, 64, core="swapab", deterministic=True).pool_div == 0
+    det = mc.main_variant(True, 32, 64, core="swapab", early_kv=True, deterministic=True)[1]
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "0")
+    assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is det
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
     k = mc.kernel_config(True, 32, 64, core="swapab")
-    assert k.pool and mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is not base
+    assert k.pool and mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is not det
+    assert mc.kernel_config(True, 32, 64, core="swapab", deterministic=True).pool_div == 0
     fn = mc.compile_main(True, 32, 64, core="swapab", dump_dir=str(tmp_path), early_kv=True)
     ptx = fn.artifacts.PTX
     assert re.findall(r"atom\.[\w.]+", ptx) == ["atom.global.add.u32"] * 2 + [
@@ -880,3 +895,5 @@ def test_swapab_tile_pool_compiles(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "1")
     with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_POOL"):
         mc.kernel_config(True, 32, 64, core="swapab")
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_POOL")
+    assert mc.kernel_config(True, 32, 64, core="swapab").pool_div == 0   # ordered: no default

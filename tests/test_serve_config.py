@@ -247,10 +247,11 @@ def test_check_prints_the_vllm_topology(capsys):
     assert "4 decode ranks + 1 vLLM actor(s) x (4.0 CPU + 2 GPU); 5 actors, 6 GPUs" in out
 
 
-def test_mla_fp8_query_reaches_the_decode_ranks(tmp_path):
-    """decode.mla_fp8_query = "single" (with the cutedsl backend over an fp8 latent pool) is
-    what every decode rank is built with, and `pdserve check` says so; the default is
-    "split"."""
+def test_mla_fp8_query_and_determinism_reach_the_decode_ranks(tmp_path):
+    """decode.mla_fp8_query = "single" (with the cutedsl backend over an fp8 latent pool) and
+    decode.mla_deterministic = true are what every decode rank is built with, and `pdserve
+    check` says so; the defaults are "split" and false; a non-boolean is refused naming the
+    field."""
     from pdserve.cluster.config import describe
     from pdserve.cluster.serve import decode_kwargs
     path = tmp_path / "fp8.toml"
@@ -260,4 +261,12 @@ def test_mla_fp8_query_reaches_the_decode_ranks(tmp_path):
     assert decode_kwargs(cfg)["mla_fp8_query"] == "single"
     assert "backend cutedsl (MLA fp8 query: single e4m3 term)" in describe(cfg, model)
     path.write_text("[decode]\nbackend = \"cutedsl\"\n")
-    assert decode_kwargs(load_serve_config(path)[0])["mla_fp8_query"] == "split"
+    kw = decode_kwargs(load_serve_config(path)[0])
+    assert kw["mla_fp8_query"] == "split" and kw["mla_deterministic"] is False
+    path.write_text("[decode]\nbackend = \"cutedsl\"\nmla_deterministic = true\n")
+    cfg, model = load_serve_config(path)
+    assert decode_kwargs(cfg)["mla_deterministic"] is True
+    assert "backend cutedsl, deterministic MLA, max batch" in describe(cfg, model)
+    path.write_text("[decode]\nmla_deterministic = \"yes\"\n")
+    with pytest.raises(ConfigError, match="decode.mla_deterministic"):
+        load_serve_config(path)

@@ -1144,19 +1144,21 @@ def _core(core: str | None) -> str:
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
                   early_kv: bool = False, head_groups: int = 1, consumers: int | None = None,
-                  q_terms: int = 2):
+                  q_terms: int = 2, deterministic: bool = False):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad; the swapab core uses h_pad (16 / 32, its
     wgmma N). head_groups > 1: swapab only (plan_call). consumers: swapab's consumer
     warpgroups (None: choose_consumers without a shape); the other cores ignore it. q_terms:
-    swapab's fp8 query terms (2, or 1 for fp8_query="single"); the other cores take 2 only."""
+    swapab's fp8 query terms (2, or 1 for fp8_query="single"); the other cores take 2 only.
+    deterministic: swapab without the run-time tile pool (the other cores have none)."""
     core = _core(core)
     assert head_groups == 1 or core == "swapab", (core, head_groups)
     assert q_terms == 2 or core == "swapab", (core, q_terms)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
         return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv),
-                                     int(head_groups), consumers, int(q_terms))
+                                     int(head_groups), consumers, int(q_terms),
+                                     bool(deterministic))
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
@@ -1165,35 +1167,35 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None =
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
                  dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1,
-                 consumers: int | None = None, q_terms: int = 2):
+                 consumers: int | None = None, q_terms: int = 2, deterministic: bool = False):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     if dump_dir is not None:
         k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
-                          q_terms)
+                          q_terms, deterministic)
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     return main_variant(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
-                        q_terms)[1]
+                        q_terms, deterministic)[1]
 
 
 def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
                  early_kv: bool = False, head_groups: int = 1, consumers: int | None = None,
-                 q_terms: int = 2):
+                 q_terms: int = 2, deterministic: bool = False):
     """(kernel object, compiled kernel) of compile_main's variant, from the process cache: the
     launcher reads the object's properties (the partials' dtype) from the variant it runs."""
     core = _core(core)
     k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
-                      q_terms)
+                      q_terms, deterministic)
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
         # (consumers: 1 or 2 consumer warpgroups, choose_consumers or the caller's;
         # ordered: PDSERVE_MLA_SWAPAB_ORDER; the fp8 PV grouping: PDSERVE_MLA_SWAPAB_PV;
         # qk_joint: PDSERVE_MLA_SWAPAB_QK_JOINT; lazy_max: PDSERVE_MLA_SWAPAB_LAZY; q_half:
-        # PDSERVE_MLA_SWAPAB_QHALF; xmerge: PDSERVE_MLA_SWAPAB_XMERGE; pool:
-        # PDSERVE_MLA_SWAPAB_POOL)
+        # PDSERVE_MLA_SWAPAB_QHALF; xmerge: PDSERVE_MLA_SWAPAB_XMERGE; pool_div:
+        # PDSERVE_MLA_SWAPAB_POOL, or the fp8 default, 0 if deterministic)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
                int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight,
                k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half, k.xmerge,
@@ -1394,7 +1396,7 @@ def mla_decode_cutedsl(
     q, kv_cache, block_table, seq_lens, softmax_scale: float, kv_scale=None, *,
     num_splits: int | None = None, max_seq_len: int | None = None, out=None, lse=None,
     core: str | None = None, early_kv: bool = False, head_groups: int | None = None,
-    fp8_query: str | None = None, **_ignored,
+    fp8_query: str | None = None, deterministic: bool = False, **_ignored,
 ):
     """CuTe DSL MLA decode. q [B, H, 576] bf16; kv_cache [P, page, 576] bf16 | fp8 e4m3;
     block_table [B, max_pages] int32; seq_lens [B] int32 (>= 1). Returns (out [B, H, 512] bf16,
@@ -1409,7 +1411,10 @@ def mla_decode_cutedsl(
     PDSERVE_MLA_FP8_QUERY, else "split"): "split" = the query as two e4m3 terms (Q_hi + Q_lo,
     ~1000x below bf16 rounding), "single" = one e4m3 term as vLLM's fp8 MLA path quantizes it
     (half of S^T's MMAs; the reference with fp8_query="single" mirrors the rounding); swapab
-    core only."""
+    core only. `deterministic`: bit-identical results for equal inputs from run to run. The
+    swapab core's tile pool (fp8 default) hands a request's last tiles to whichever of its CTAs
+    is free first, so the split partials' rounding varies between runs; deterministic turns it
+    off (session 22: 1.5-4 % slower at fp8 H=32)."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -1437,7 +1442,8 @@ def mla_decode_cutedsl(
     # outputs and the partials; the combine sees [B, H]
     Bv, Hv = B * groups, H // groups
     kernel, main = main_variant(fp8, h_pad_for(Hv), page_tokens, core, early_kv, groups,
-                                call_consumers(core, fp8, msl, num_splits), q_terms)
+                                call_consumers(core, fp8, msl, num_splits), q_terms,
+                                deterministic)
     pdt = kernel.partial_dtype            # split partials: bf16 (swapab, fp8 cache) or fp32
     if num_splits > 1:
         o_part = torch.empty(num_splits, B, H, D_V, device=dev,

@@ -413,7 +413,8 @@ class MlaDecodeSwapAbKernel:
     N) and page size (a multiple of 64)."""
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None, q_terms: int = 2):
+                 head_groups: int = 1, consumers: int | None = None, q_terms: int = 2,
+                 deterministic: bool = False):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -490,13 +491,18 @@ class MlaDecodeSwapAbKernel:
         # PDSERVE_MLA_SWAPAB_QHALF=0 turns it off (A/B runs)
         self.q_half = (self.kv_fp8 and consumers == 2
                        and env_choice("PDSERVE_MLA_SWAPAB_QHALF", ("0", "1")) != "0")
-        # tile pool (opt-in, PDSERVE_MLA_SWAPAB_POOL=N for N in 2, 4, 8): with more than one
-        # split, the last 1/N of each split's tiles goes into a pool per request that the
-        # request's CTAs draw from at run time (one tile a draw, a per-request counter), so
-        # that CTAs that run faster take more; the producer hands each tile's id to the
-        # consumers through smem (`_produce`). Not with the ordered handshake, which needs the
-        # tile count ahead
-        self.pool_div = int(env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "2", "4", "8")) or 0)
+        # tile pool: with more than one split, the last 1/pool_div of each split's tiles goes
+        # into a pool per request that the request's CTAs draw from at run time (one tile a
+        # draw, a per-request counter), so that CTAs that run faster take more; the producer
+        # hands each tile's id to the consumers through smem (`_produce`). fp8 default 4
+        # (session 22: +1.5-4 % at fp8 H=32); bf16 off (it meets its targets without, and its
+        # single-consumer build spills 8 B with the pool). PDSERVE_MLA_SWAPAB_POOL=0|2|4|8
+        # overrides. Off with `deterministic`: which CTA takes a pool tile varies from run to
+        # run, and with it the rounding of the split partials. Not with the ordered handshake,
+        # which needs the tile count ahead
+        pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "2", "4", "8"))
+        self.pool_div = (0 if deterministic else int(pool) if pool
+                         else 4 if self.kv_fp8 and not self.ordered else 0)
         self.pool = self.pool_div > 0
         if self.pool and self.ordered:
             raise ValueError("PDSERVE_MLA_SWAPAB_POOL does not go with "

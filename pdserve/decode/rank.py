@@ -57,17 +57,23 @@ def kda_step_for(backend: str):
     return fused_step_for(OP, kda_decode_problem, backend)
 
 
-def mla_step_for(backend: str, fp8_query: str = "split"):
+def mla_step_for(backend: str, fp8_query: str = "split", deterministic: bool = False):
     """The MLA decode attention over the paged cache (`pdserve.kernels.mla_decode`) for
     `backend`, or None. `fp8_query`: the kernel's query with an fp8 latent pool ("split" |
-    "single", see mla_decode_cutedsl)."""
+    "single"); `deterministic`: bit-identical results from run to run (see
+    mla_decode_cutedsl)."""
     from pdserve.kernels.mla_decode import OP, problem_from_tensors
     from pdserve.kernels.mla_decode.reference import check_fp8_query
     step = fused_step_for(OP, problem_from_tensors, backend)
     check_fp8_query(fp8_query)
-    if step is None or fp8_query == "split":
+    fixed = {}                          # only what differs from the kernel's defaults
+    if fp8_query != "split":
+        fixed["fp8_query"] = fp8_query
+    if deterministic:
+        fixed["deterministic"] = True
+    if step is None or not fixed:
         return step
-    return lambda *args, **opts: step(*args, fp8_query=fp8_query, **opts)
+    return lambda *args, **opts: step(*args, **fixed, **opts)
 
 
 class DecodeRank:
@@ -76,10 +82,12 @@ class DecodeRank:
                  seed: int = 0, checkpoint: str | None = None, backend: str = "reference",
                  transfer: TransferConfig = TransferConfig(), device: str = "cpu",
                  generation: int = 0, dtype: str = "float32", cuda_graphs: bool = False,
-                 graph_max_tokens: int = 4096, mla_fp8_query: str = "split"):
+                 graph_max_tokens: int = 4096, mla_fp8_query: str = "split",
+                 mla_deterministic: bool = False):
         """`cuda_graphs`: capture the decode step per batch-size bucket (CUDA, TP=1) for
         sequences of up to `graph_max_tokens` tokens; other steps run eagerly (logged once).
-        `mla_fp8_query`: the MLA kernel's query over an fp8 latent pool (mla_step_for)."""
+        `mla_fp8_query`, `mla_deterministic`: the MLA kernel's query over an fp8 latent pool
+        and its run-to-run determinism (mla_step_for)."""
         tp = tp or TPGroup()
         self.rank, self.config = rank, config
         self.model = build_model(config, tp, dtype=dtype_of(dtype), seed=seed,
@@ -88,7 +96,7 @@ class DecodeRank:
         self.pools = StatePools(RankShapes.of(config, tp.size), self.layout, num_pages, num_slots,
                                 device=device, conv_staging=True)
         self.kda_step = kda_step_for(backend)
-        self.mla_step = mla_step_for(backend, mla_fp8_query)
+        self.mla_step = mla_step_for(backend, mla_fp8_query, mla_deterministic)
         self.graphs = (DecodeGraphs(self.model, self.pools, graph_max_tokens,
                                     kda_step=self.kda_step, mla_step=self.mla_step)
                        if cuda_graphs else None)

@@ -353,12 +353,15 @@ def test_registry_resolves_cutedsl_on_h200():
 def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
     """early_kv reads the cache before the PDL wait. Eager: the reference. Then a CUDA graph of
     several calls back to back (each the previous one's PDL dependent, the previous combine
-    still running while the next main kernel loads its tiles) gives the same bits as eager."""
+    still running while the next main kernel loads its tiles) gives the same bits as eager
+    (deterministic: without the swapab fp8 tile pool, whose draws vary the rounding;
+    test_swapab_tile_pool replays the pool back to back against the reference)."""
     from functools import partial
     from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
     for lens in ([1], [65], [8192 + 17], [1, 2, 63, 64, 65, 129, 4097, 40000]):
         check(lens, 12 if core == "mma" else 32, fp8, core=core, early_kv=True)
-    run = partial(mla_decode_cutedsl, core=core, early_kv=True, num_splits=16)
+    run = partial(mla_decode_cutedsl, core=core, early_kv=True, num_splits=16,
+                  deterministic=True)
     cases = [make_case(lens, 12, fp8) for lens in ([100, 5000], [70000, 1], [8192, 8192])]
     want = [run(q, c, bt, seq, SCALE, kv) for q, c, bt, seq, kv in cases]
     outs = [(torch.empty_like(o), torch.empty_like(l)) for o, l in want]
@@ -442,13 +445,16 @@ def test_swapab_tile_pool(pool_div, num_splits, fp8, monkeypatch):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "pool"])
 @pytest.mark.parametrize("early_kv", [False, True])
-def test_swapab_fp8_two_consumer_ring_repeats_bit_identical(early_kv):
+def test_swapab_fp8_two_consumer_ring_repeats(early_kv, deterministic):
     """The shape that exposed the odd two-consumer ring's race (session 14: B=64 L=128K H=12
     fp8, 2 splits of 1024 tiles, two consumers, joint S^T; with 5 stages 3 of 4000 calls came
-    out wrong, or the launch failed): 3000 calls back to back under full DRAM load, each output
-    and LSE equal bit for bit to the first call's (the kernel is deterministic), and the first
-    close to the reference on a few requests."""
+    out wrong, or the launch failed): 3000 calls back to back under full DRAM load, the first
+    close to the reference on a few requests. deterministic: each output and LSE equal bit for
+    bit to the first call's. With the tile pool (the fp8 default) which CTA takes a pool tile
+    varies, so each call must stay within rounding of the first (a lost or doubled tile, or a
+    race, moves the LSE by far more)."""
     from pdserve.kernels.mla_decode import mla_decode_reference
     from pdserve.kernels.mla_decode.cutedsl import call_consumers, mla_decode_cutedsl, plan_call
     B, L, H = 64, 131072, 12
@@ -468,7 +474,7 @@ def test_swapab_fp8_two_consumer_ring_repeats_bit_identical(early_kv):
 
     def call():
         mla_decode_cutedsl(q, cache, bt, seq, SCALE, 0.05, max_seq_len=L, out=out, lse=lse,
-                           core="swapab", early_kv=early_kv)
+                           core="swapab", early_kv=early_kv, deterministic=deterministic)
 
     call()
     first_o, first_l = out.clone(), lse.clone()
@@ -478,9 +484,12 @@ def test_swapab_fp8_two_consumer_ring_repeats_bit_identical(early_kv):
     err = (first_o[sub].float() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
     assert err.max() < 1.5e-2, err
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    o_tol = 0.0 if deterministic else 2e-2 * float(first_o.float().abs().max())
+    l_tol = 0.0 if deterministic else 1e-3
     for _ in range(3000):
         call()
-        bad += ((out != first_o).any() | (lse != first_l).any()).to(torch.int64)
+        bad += (((out.float() - first_o.float()).abs().max() > o_tol)
+                | ((lse - first_l).abs().max() > l_tol)).to(torch.int64)
     torch.cuda.synchronize()
     assert int(bad) == 0, f"{int(bad)} of 3000 calls differ from the first"
     del cache
