@@ -74,9 +74,7 @@ def test_wgmma_core_compiles(kv_fp8, page_tokens, tmp_path):
     # S: 36 wgmma m64n64k16 (K = 576); PV: 4 wgmma m64n256k16 with a register A, transposed B
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 36
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 4
-    # one TMA box per 64 columns, in the loop over the split's own tiles and in the tile
-    # pool's (the fp8 default)
-    assert k.pool_div == 4 and ptx.count("cp.async.bulk.tensor.2d") == 9 * 2
+    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
     assert ptx.count("setmaxnreg") == 2
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
@@ -100,9 +98,7 @@ def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("wgmma.mma_async.sync.aligned.") == 36 + 8 * 4
     # S has both operands K-major; PV has an MN-major (transposed) A = V^T
     assert ptx.count(", p, 1,  1, 0, 0;") == 36 and ptx.count(", p, 1,  1, 1, 0;") == 32
-    # one TMA box per 64 columns, in the loop over the split's own tiles and in the tile
-    # pool's (the fp8 default)
-    assert k.pool_div == 4 and ptx.count("cp.async.bulk.tensor.2d") == 9 * 2
+    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
     assert ptx.count("setmaxnreg") == 2
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
@@ -756,6 +752,26 @@ def test_call_consumers_one_for_short_fp8_splits(monkeypatch):
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "3")
     with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_CONSUMERS='3'"):
         mc.call_consumers("swapab", True, 8192, 64)
+
+
+def test_call_pool_only_for_long_splits(monkeypatch):
+    """The tile pool (fp8 default) is kept per call where the longest request's splits have at
+    least 32 tiles and there is more than one split: at the shapes the planner gives, B=8
+    L=32K / 128K and B=64 L >= 8K, not B=1 or B=8 L=8K (where it measured slower), not with
+    one split or an unknown length; with PDSERVE_MLA_SWAPAB_POOL set the switch decides for
+    every shape."""
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_POOL", raising=False)
+    want = {(1, 8192): False, (1, 32768): False, (1, 131072): False, (8, 8192): False,
+            (8, 32768): True, (8, 131072): True, (64, 1024): False, (64, 8192): True,
+            (64, 131072): True}
+    for (B, L), pool in want.items():
+        core, splits, _ = mc.plan_call(B, 32, L, True, None, True)
+        assert mc.call_pool(L, splits) == pool, (B, L, splits)
+    assert mc.call_pool(64 * 64, 2) and not mc.call_pool(62 * 64, 2)
+    assert not mc.call_pool(4096 * 64, 1)                # one split: no pool to share
+    assert not mc.call_pool(None, 2)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
+    assert mc.call_pool(8192, 64) and mc.call_pool(None, 2)
 
 
 def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():

@@ -34,6 +34,12 @@ floor where B x L >= 256K: bf16 0.95-1.07 (H = 12), 0.89-1.07 (H = 32); fp8 0.78
 cells move by up to ~15 % between machines and page placements; the long ones run at the
 H200's 700 W power cap, 1.4-1.5 GHz, kernel_history.md session 19). B = 1, L = 8K: bf16 7.3 /
 9.9 us, fp8 8.8 / 10.0 (H = 12 / 32). Session 18's figures: _session18.json.
+Session 22 (machine ...291686, tree cd863c2, 534 GPU tests; _session22.json): with the fp8
+tile pool (swapab.py), fp8 H=32 where B x L >= 256K, split / single query: B=8 L=32K 0.704 /
+0.767, B=8 L=128K 0.836 / 0.940, B=64 L=8K 0.748 / 0.776, B=64 L=32K 0.783 / 0.978, B=64
+L=128K 0.754 / 0.892 -- the single query meets 0.75 in every cell there, the split one misses
+at B=8 L=32K and B=64 L=8K. B = 1, L = 8K at H = 32 is 9.9-10.2 us on that machine (bf16 and
+fp8), at the 10 us line.
 Session 20 (machine ...045035, tree 2d3bb37, 489 GPU tests): the same grid for the split query
 (_session20.json: fp8 H=32 0.68-0.81, a few % below the session-19 machine) and with
 fp8_query="single" (the query as one e4m3 term, as vLLM's fp8 MLA path rounds it; half of S^T's
@@ -1134,6 +1140,26 @@ def call_consumers(core: str, kv_fp8: bool, max_seq_len: int | None,
     return choose_consumers(kv_fp8, tiles)
 
 
+# the swapab fp8 tile pool pays where a split has this many tiles (call_pool)
+POOL_MIN_TILES = 32
+
+
+def call_pool(max_seq_len: int | None, num_splits: int) -> bool:
+    """Whether a swapab call may use the tile pool (the fp8 default; the kernel object decides
+    whether it has one). With PDSERVE_MLA_SWAPAB_POOL set, yes: the switch says (A/B runs).
+    Else where there is more than one split and the longest request's splits have at least
+    POOL_MIN_TILES tiles (not when the length is unknown). Session 22, fp8 H=32, interleaved A/Bs: the pool gained 1.5-4 % at 32
+    to 1024 tiles a split (B=8 L=32K, B=64 L=8K and 128K) and cost 1-3 % at 2 to 16 (B=1 L=8K
+    and 32K, B=8 L=8K), where its id-driven tile loop costs more than the end of the loop is
+    evened out."""
+    if os.environ.get("PDSERVE_MLA_SWAPAB_POOL"):
+        return True
+    if max_seq_len is None or num_splits < 2:
+        return False
+    n_tiles = -(-int(max_seq_len) // TILE_N)
+    return -(-n_tiles // int(num_splits)) >= POOL_MIN_TILES
+
+
 def _core(core: str | None) -> str:
     core = CORE if core is None else core
     if core == "auto":
@@ -1412,9 +1438,10 @@ def mla_decode_cutedsl(
     ~1000x below bf16 rounding), "single" = one e4m3 term as vLLM's fp8 MLA path quantizes it
     (half of S^T's MMAs; the reference with fp8_query="single" mirrors the rounding); swapab
     core only. `deterministic`: bit-identical results for equal inputs from run to run. The
-    swapab core's tile pool (fp8 default) hands a request's last tiles to whichever of its CTAs
-    is free first, so the split partials' rounding varies between runs; deterministic turns it
-    off (session 22: 1.5-4 % slower at fp8 H=32)."""
+    swapab core's tile pool (fp8 default where a split has at least POOL_MIN_TILES tiles,
+    call_pool) hands a request's last tiles to whichever of its CTAs is free first, so the
+    split partials' rounding varies between runs; deterministic turns it off (session 22:
+    1.5-4 % slower at fp8 H=32 there)."""
     import torch
     import cuda.bindings.driver as cuda_drv
     from cutlass.cute.runtime import make_ptr
@@ -1443,7 +1470,7 @@ def mla_decode_cutedsl(
     Bv, Hv = B * groups, H // groups
     kernel, main = main_variant(fp8, h_pad_for(Hv), page_tokens, core, early_kv, groups,
                                 call_consumers(core, fp8, msl, num_splits), q_terms,
-                                deterministic)
+                                deterministic or not call_pool(msl, num_splits))
     pdt = kernel.partial_dtype            # split partials: bf16 (swapab, fp8 cache) or fp32
     if num_splits > 1:
         o_part = torch.empty(num_splits, B, H, D_V, device=dev,
