@@ -1148,10 +1148,10 @@ def call_pool(max_seq_len: int | None, num_splits: int) -> bool:
     """Whether a swapab call may use the tile pool (the fp8 default; the kernel object decides
     whether it has one). With PDSERVE_MLA_SWAPAB_POOL set, yes: the switch says (A/B runs).
     Else where there is more than one split and the longest request's splits have at least
-    POOL_MIN_TILES tiles (not when the length is unknown). Session 22, fp8 H=32, interleaved A/Bs: the pool gained 1.5-4 % at 32
-    to 1024 tiles a split (B=8 L=32K, B=64 L=8K and 128K) and cost 1-3 % at 2 to 16 (B=1 L=8K
-    and 32K, B=8 L=8K), where its id-driven tile loop costs more than the end of the loop is
-    evened out."""
+    POOL_MIN_TILES tiles (not when the length is unknown). Session 22, fp8 H=32, interleaved
+    A/Bs: the pool gained 1.5-4 % at 32 to 1024 tiles a split (B=8 L=32K, B=64 L=8K and 128K)
+    and cost 1-3 % at 2 to 16 (B=1 L=8K and 32K, B=8 L=8K), where its id-driven tile loop
+    costs more than evening out the end of the loop gains."""
     if os.environ.get("PDSERVE_MLA_SWAPAB_POOL"):
         return True
     if max_seq_len is None or num_splits < 2:

@@ -158,18 +158,18 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     q_half: +1.1 % / +0.8 % at the cells above. PDSERVE_MLA_SWAPAB_XMERGE=0: consumer 1 hands
     all its columns over and consumer 0 merges and writes them all.
   * tile pool (fp8 default where a split has at least 32 tiles, cutedsl.call_pool; off with
-    deterministic=True; PDSERVE_MLA_SWAPAB_POOL=0|2|4|8 for A/B runs; sessions 21-22): the
-    last quarter of each split's tiles goes into a per-request pool drawn at run time, so that
-    a request's CTAs that run faster take more and the slowest, which sets the call, less
-    (`_produce`; tests/test_mla_tile_pool_model.py models the draws and the counters' reset).
-    Session 22, interleaved A/Bs, fp8 H=32: +1.5-4 % at B=8 L=32K, B=64 L=8K / 128K (split
-    and single query), -1-3 % at 2-16 tiles a split (hence the threshold); halves or eighths
-    instead of quarters within noise of each other. The producer writes each ring position's tile id into sTid (2 x stages
+    deterministic=True; PDSERVE_MLA_SWAPAB_POOL=0|2|4|8 for A/B runs; sessions 21-22): the last
+    quarter of each split's tiles goes into a per-request pool drawn at run time, so that a
+    request's CTAs that run faster take more and the slowest, which sets the call, less (`_produce`;
+    tests/test_mla_tile_pool_model.py models the draws and the counters' reset). Session 22,
+    interleaved A/Bs, fp8 H=32: +1.5-4 % at B=8 L=32K, B=64 L=8K / 128K (split and single query),
+    -1-3 % at 2-16 tiles a split (hence the threshold); halves or eighths instead of quarters within
+    noise of each other. The producer writes each ring position's tile id into sTid (2 x stages
     slots) before its TMA and ends with one mark (-1, the stage's transaction completed with
-    mbarrier.complete_tx, no data) per consumer; the consumers loop while the id they read
-    after their wait is a tile. The tile body is `_tile` either way; without the pool the
-    loops are the static ones, and the kernel body's PTX is the same as before the pool
-    (checked on the CPU build, seven variants; only the counters' kernel parameter is new).
+    mbarrier.complete_tx, no data) per consumer; the consumers loop while the id they read after
+    their wait is a tile. The tile body is `_tile` either way; without the pool the loops are the
+    static ones, and the kernel body's PTX is the same as before the pool (checked on the CPU build,
+    seven variants; only the counters' kernel parameter is new).
   * optional order (PDSERVE_MLA_SWAPAB_ORDER=1, fp8; off by default): FA3-style handshake on
     named barriers 4 + c (256 threads): tile t's S^T wgmmas start after tile t - 1's retired
     (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
