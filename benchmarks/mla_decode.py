@@ -8,7 +8,8 @@ bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy
 The core, split count and head groups are fixed before capture (cutedsl.plan_call from B, L, H
 and the cache dtype) and recorded in each row.
 
-    python benchmarks/mla_decode.py [--json PATH] [--quick] [--no-sweep] [--early-kv]
+    python benchmarks/mla_decode.py [--json PATH] [--quick] [--no-sweep | --sweep-only]
+                                    [--early-kv]
                                     [--core auto|mma|wgmma|swapab] [--kv both|bf16|fp8]
                                     [--heads 12,32] [--batch 1,8,64]
                                     [--ctx 1024,8192,32768,131072]
@@ -47,9 +48,14 @@ MIN_CALLS = 16
 
 
 def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, head_groups=None):
-    from pdserve.kernels.mla_decode.cutedsl import call_consumers, mla_decode_cutedsl, plan_call
+    from pdserve.kernels.mla_decode.cutedsl import (
+        call_consumers, call_pool, h_pad_for, kernel_config, mla_decode_cutedsl, plan_call)
     core, splits, head_groups = plan_call(B, H, L, fp8, core, early_kv, splits, head_groups)
     consumers = call_consumers(core, fp8, L, splits)
+    # the swapab tile pool's share in these calls (1 / pool_div of each split's tiles; 0: none)
+    pool_div = (kernel_config(fp8, h_pad_for(H // head_groups), PAGE, core, early_kv, head_groups,
+                              consumers, deterministic=not call_pool(L, splits)).pool_div
+                if core == "swapab" else 0)
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     n_sets = max(1, min(64, -(-ROTATE_BYTES // per_call)))     # disjoint page sets
@@ -85,7 +91,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
     del g, cache
     torch.cuda.empty_cache()
     return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, early_kv=early_kv,
-                num_splits=splits, head_groups=head_groups, consumers=consumers,
+                num_splits=splits, head_groups=head_groups, consumers=consumers, pool_div=pool_div,
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,
@@ -98,7 +104,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--core", default=None, choices=("auto", "mma", "wgmma", "swapab"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the split-count sweep")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="skip the split-count x head-group sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="run only that sweep, no grid")
     ap.add_argument("--early-kv", action="store_true",
                     help="read the cache before the PDL wait (the previous kernel writes none of it)")
     ap.add_argument("--kv", default="both", choices=("both", "bf16", "fp8"),
@@ -119,7 +127,9 @@ def main(argv=None):
     if args.quick:
         Bs, Ls = (1, 64), (8192, 131072)
     rows = []
-    for fp8 in {"both": (False, True), "bf16": (False,), "fp8": (True,)}[args.kv]:
+    dtypes = () if args.sweep_only else {"both": (False, True), "bf16": (False,),
+                                         "fp8": (True,)}[args.kv]
+    for fp8 in dtypes:
         for H in Hs:
             for B in Bs:
                 for L in Ls:
@@ -128,16 +138,20 @@ def main(argv=None):
                     print(f"{r['kv_dtype']:9s} H={H:2d} B={B:2d} L={L:6d} splits={r['num_splits']:3d} "
                           f"{r['us']:9.1f} us  {r['gbps']:7.0f} GB/s  floor {r['floor_us']:8.1f} us "
                           f"({100 * r['frac_of_copy_bw']:5.1f}%)", flush=True)
-    # split-count sweep at small batch (to tune choose_num_splits)
+    # split-count x head-group sweep at small batch, H=32 (to tune choose_num_splits and
+    # choose_head_groups; the swapab core, the only one with head groups)
     sweep = []
-    if not (args.quick or args.no_sweep):
-        for B, L in ((1, 8192), (1, 32768), (8, 32768)):
+    if args.sweep_only or not (args.quick or args.no_sweep):
+        for B, L, fp8 in ((1, 8192, False), (1, 8192, True), (1, 32768, False), (8, 32768, False)):
             for sp in (16, 32, 64, 128):
-                if sp * 64 > L or B * sp > 132:
-                    continue
-                r = bench_one(B, L, 32, False, reps=9, splits=sp, core=core, early_kv=args.early_kv)
-                sweep.append(r)
-                print(f"sweep {r['kv_dtype']:9s} H=32 B={B} L={L} splits={sp:3d} {r['us']:8.1f} us", flush=True)
+                for hg in (1, 2):
+                    if sp * 64 > L or B * sp * hg > 2 * 132 or (hg > 1 and core not in ("auto", "swapab")):
+                        continue
+                    r = bench_one(B, L, 32, fp8, reps=9, splits=sp, core=core,
+                                  early_kv=args.early_kv, head_groups=hg)
+                    sweep.append(r)
+                    print(f"sweep {r['kv_dtype']:9s} H=32 B={B} L={L} splits={sp:3d} groups={hg} "
+                          f"{r['us']:8.1f} us", flush=True)
     res = dict(
         op="mla_decode", backend="cutedsl", core=core, early_kv=args.early_kv,
         environment=environment(), copy_bw_gbps=COPY_BW / 1e9, page_tokens=PAGE, softmax_scale=SCALE,
