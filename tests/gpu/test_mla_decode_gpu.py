@@ -28,7 +28,10 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None, keys="random"):
     """keys: "random"; "rising" / "falling" (each request's keys scaled from 0.02 to 1.5 of
     random along its tokens, or back: the running maxima rise through the sequence / never
     after its start); "step" (keys at 0.05 of random before 3/4 of each request, random from
-    there: every head's maximum jumps by ~10 nats deep inside the sequence)."""
+    there: every head's maximum jumps by ~10 nats deep inside the sequence); "flat" (every
+    token of a request has the same first 64 latent dims and q, scaled by 0.01, is zero past
+    them: all of a head's scores are equal, so its LSE is that score + ln L and a tile counted
+    twice or missed moves it by ln(1 +- tile / L))."""
     dev = "cuda"
     g = torch.Generator(device=dev)
     g.manual_seed(int(torch.randint(0, 2**31, (1,))) if seed is None else seed)
@@ -44,7 +47,14 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None, keys="random"):
         bt[b, :n] = perm[k:k + n].to(torch.int32)
         k += n
     q = torch.randn(B, H, 576, device=dev, generator=g).to(torch.bfloat16)
-    if keys != "random":
+    if keys == "flat":
+        q[..., 64:] = 0
+        q *= 0.01           # scores ~0.01: their rounding, whatever the MMA path, ~1e-6
+        for b, l in enumerate(lens):
+            tok = torch.arange(l, device=dev)
+            rows = bt[b, tok // page_tokens].long(), tok % page_tokens
+            cache[rows[0], rows[1], :64] = cache[bt[b, 0], 0, :64]
+    elif keys != "random":
         for b, l in enumerate(lens):
             tok = torch.arange(l, device=dev)
             page, row = bt[b, tok // page_tokens].long(), tok % page_tokens
@@ -442,6 +452,39 @@ def test_swapab_tile_pool(pool_div, num_splits, fp8, monkeypatch):
             err = (o.double() - ro).flatten(1).norm(dim=1) / ro.flatten(1).norm(dim=1)
             assert err.max() < 1.5e-2, err
             assert (l.double() - rl).abs().max() < 1e-2
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("num_splits", [None, 3, 64])
+@pytest.mark.parametrize("pool_div", ["0", "4"])
+def test_swapab_every_tile_counted_once(pool_div, num_splits, fp8, monkeypatch):
+    """Flat scores (make_case keys="flat"): each head's LSE is its score + ln L, so a tile
+    taken twice or missed moves it by ln(1 +- tile / L) >= 4.8e-4 at these lengths (each last
+    tile holds >= 34 tokens), while the split combine's rounding stays ~1e-6. Against the same
+    call in one split without the pool (l = L summed exactly, no combine), with the pool
+    forced on every split's quarter (PDSERVE_MLA_SWAPAB_POOL=4) or off (0), at several split
+    counts; outputs against the float64 reference."""
+    from pdserve.kernels.mla_decode import mla_decode_reference
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", pool_div)
+    lens = [64 * 37, 3000, 20020, 9017, 131072, 70050]
+    for H in (32, 12):
+        q, cache, bt, seq, kv = make_case(lens, H, fp8, keys="flat")
+
+        def run(**kw):
+            return mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv, core="swapab",
+                                      max_seq_len=max(lens), head_groups=1, **kw)
+
+        one_o, one_l = run(num_splits=1, deterministic=True)
+        o, lse = run(num_splits=num_splits)
+        torch.cuda.synchronize()
+        dl = (lse - one_l).abs().max()
+        assert dl < 1e-4, f"LSE moved by {dl:.3g} from the one-split call (H={H})"
+        ref_o, _ = mla_decode_reference(q, cache, bt, seq, SCALE, kv,
+                                        compute_dtype=torch.float64, out_dtype=torch.float64)
+        err = (o.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
+        assert err.max() < 1.5e-2, err
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
