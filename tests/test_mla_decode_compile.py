@@ -315,26 +315,6 @@ def test_swapab_lazy_switch_is_part_of_the_compile_cache_key(monkeypatch):
     assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is lazy_fn
 
 
-@pytest.mark.parametrize("h_pad", [16, 32])
-def test_swapab_fp8_ordered_compiles(h_pad, monkeypatch, tmp_path):
-    """PDSERVE_MLA_SWAPAB_ORDER=1 (two consumers): the S^T phases in tile order through named
-    barriers 4 + c: one bar.sync (id in a register, 256 threads) before S^T and one bar.arrive
-    after it, per tile; no spill."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "1")
-    k = mc.kernel_config(True, h_pad, 64, core="swapab")
-    assert k.consumers == 2 and k.ordered and k.num_threads == 384
-    fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path))
-    ptx = fn.artifacts.PTX
-    bars = _named_barriers(ptx)
-    assert sorted(bars) == sorted(PAIR_BARRIERS + [("sync", "%r, 256"), ("arrive", "%r, 256")]), \
-        bars
-    qk_op, n_qk = _fp8_qk_wgmma(h_pad, k.qk_joint)
-    assert ptx.count(qk_op) == n_qk
-    res = cubin_resources(fn.artifacts.CUBIN)
-    assert res["stack"] == 0, "register spills"
-    assert res["regs"] <= 65536 // 384, res
-
-
 @pytest.mark.parametrize("h_pad,consumers", [(32, "2"), (16, "2"), (32, "1")])
 def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     """fp8 swapab: the epilogue writes each head's 16 consecutive latent dims per thread with
@@ -383,8 +363,8 @@ def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PARTIAL='fp16'"):
         mc.kernel_config(True, h_pad, 64, core="swapab")
     monkeypatch.delenv("PDSERVE_MLA_SWAPAB_PARTIAL")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "yes")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_ORDER='yes'"):
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_POOL='yes'"):
         mc.kernel_config(True, h_pad, 64, core="swapab", consumers=2)
 
 
@@ -888,8 +868,8 @@ def test_swapab_tile_pool_compiles(monkeypatch, tmp_path):
     """PDSERVE_MLA_SWAPAB_POOL=4: the producer draws pool tiles with a relaxed atomic add (two
     call sites: the first draw and the loop's), counts itself done with one acq_rel add, and
     ends each consumer's loop with a transaction completed without data (one per consumer);
-    the fp8 default (4; bf16 and deterministic none) and its compile-cache entries; refused with
-    the ordered handshake, which has no pool by default; no spill at fp8."""
+    the fp8 default (4; bf16 and deterministic none) and its compile-cache entries; no spill at
+    fp8."""
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
     assert mc.kernel_config(True, 32, 64, core="swapab").pool_div == 4       # the fp8 default
     assert mc.kernel_config(False, 32, 64, core="swapab").pool_div == 0      # bf16: none
@@ -908,8 +888,3 @@ def test_swapab_tile_pool_compiles(monkeypatch, tmp_path):
     assert ptx.count("mbarrier.complete_tx.shared::cta.b64") == 2
     assert re.search(rf"mbarrier\.complete_tx\.shared::cta\.b64 \[%r\d+\], {k.tma_bytes};", ptx)
     assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", "1")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_POOL"):
-        mc.kernel_config(True, 32, 64, core="swapab")
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_POOL")
-    assert mc.kernel_config(True, 32, 64, core="swapab").pool_div == 0   # ordered: no default

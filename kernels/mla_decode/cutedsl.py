@@ -84,8 +84,7 @@ A third core, swapab.py (`MlaDecodeSwapAbKernel`, core="swapab"; bf16 and fp8), 
 so that the heads are the wgmma's N (16 / 32, from h_pad_for) and tokens / latent dims its M: no
 padding to 64 rows; `choose_core` picks it for every call. Its fp8 path runs two consumer
 warpgroups on alternate tiles where a split has more than 2 tiles (`choose_consumers`;
-PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides, PDSERVE_MLA_SWAPAB_ORDER=1 orders their S^T phases;
-see swapab.py).
+PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides; see swapab.py).
 """
 from __future__ import annotations
 
@@ -1217,13 +1216,13 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
-        # (consumers: 1 or 2 consumer warpgroups, choose_consumers or the caller's;
-        # ordered: PDSERVE_MLA_SWAPAB_ORDER; the fp8 PV grouping: PDSERVE_MLA_SWAPAB_PV;
-        # qk_joint: PDSERVE_MLA_SWAPAB_QK_JOINT; lazy_max: PDSERVE_MLA_SWAPAB_LAZY; q_half:
-        # PDSERVE_MLA_SWAPAB_QHALF; xmerge: PDSERVE_MLA_SWAPAB_XMERGE; pool_div:
-        # PDSERVE_MLA_SWAPAB_POOL, or the fp8 default, 0 if deterministic)
+        # (consumers: 1 or 2 consumer warpgroups, choose_consumers or the caller's; the fp8
+        # PV grouping: PDSERVE_MLA_SWAPAB_PV; qk_joint: PDSERVE_MLA_SWAPAB_QK_JOINT; lazy_max:
+        # PDSERVE_MLA_SWAPAB_LAZY; q_half: PDSERVE_MLA_SWAPAB_QHALF; xmerge:
+        # PDSERVE_MLA_SWAPAB_XMERGE; pool_div: PDSERVE_MLA_SWAPAB_POOL, or the fp8 default, 0 if
+        # deterministic)
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
-               int(head_groups), k.consumers, k.ordered, k.pv_group, k.pv_in_flight,
+               int(head_groups), k.consumers, k.pv_group, k.pv_in_flight,
                k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half, k.xmerge,
                k.pool_div)
     else:

@@ -170,11 +170,10 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     their wait is a tile. The tile body is `_tile` either way; without the pool the loops are the
     static ones, and the kernel body's PTX is the same as before the pool (checked on the CPU build,
     seven variants; only the counters' kernel parameter is new).
-  * optional order (PDSERVE_MLA_SWAPAB_ORDER=1, fp8; off by default): FA3-style handshake on
-    named barriers 4 + c (256 threads): tile t's S^T wgmmas start after tile t - 1's retired
-    (wait if t > t_begin, arrive if t + 1 < t_end: counts match for any tile count), so one
-    consumer's softmax / P^T / V conversion runs under the other's S^T. Default: the two run
-    free, relying on the scheduler.
+  * the two consumers run free, relying on the scheduler. An FA3-style handshake that ordered
+    their S^T phases (tile t's S^T after tile t - 1's, on named barriers) was an A/B switch
+    until session 22 and never faster on the H200 (within 3 % either way, session 7; 0.810-0.817
+    against 0.841-0.857 at B=64 L=128K single query, session 20), so it was removed.
   * an even ring with two consumers, so that each stage has one owner: with an odd one (5 at
     h_pad 16 until session 14) consumer 1 could reach tile i + stages, in a stage of consumer
     0's, while tile i's TMA was still in flight, and pass its full-barrier wait at once
@@ -186,7 +185,7 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     maxima, below), 179,712 B at h_pad 16 (4 stages: the ring stays even); bf16 with 2
     consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages, one P^T buffer each).
   * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
-    32, pages 64 / 128 / 256, early_kv, ordered) and bf16 with 2 consumers; the SASS
+    32, pages 64 / 128 / 256, early_kv) and bf16 with 2 consumers; the SASS
     (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
     LDL / STL (with the lazy maxima, session 18: up to R236 / R200, still none).
   * ring depth at h_pad 32: with each consumer holding one stage while it computes, 2 of the 4
@@ -197,14 +196,12 @@ unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs
     ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
     (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
   Status of the two-consumer path: passed all 228 MLA GPU tests on the H200 (2026-11-29; also
-  fp8 with 1 consumer, 2 ordered, and bf16 with 2, test_swapab_consumer_variants). fp8, early_kv,
+  fp8 with 1 consumer and bf16 with 2, test_swapab_consumer_variants). fp8, early_kv,
   us and % of the copy floor, 1 consumer -> 2 (mla_decode_h200_swapab_consumers.json):
       H=12: B=8 L=32K 63.8 -> 56.2 (63 %), B=8 L=128K 199.0 -> 165.1 (86 %), B=64 L=8K 110.2 ->
             96.0 (74 %), B=64 L=32K 378.8 -> 316.7 (90 %), B=64 L=128K 1514.1 -> 1340.3 (85 %)
       H=32: B=8 L=32K 92.1 -> 81.7 (44 %), B=8 L=128K 262.0 -> 220.3 (65 %), B=64 L=8K 162.4 ->
             143.7 (49 %), B=64 L=32K 497.1 -> 413.4 (69 %), B=64 L=128K 1954.7 -> 1719.2 (66 %)
-  The ordered handshake (PDSERVE_MLA_SWAPAB_ORDER=1) was within 3 % of the free-running pair
-  (faster at H = 12 B=64 L=8K, slower at H = 32), so it stays off.
 
 Lazy column maxima (`lazy_max`: fp8 with two consumers, the default; PDSERVE_MLA_SWAPAB_LAZY=0
 turns them off for A/B runs). The exact online-softmax step needs every head's maximum over the
@@ -267,8 +264,8 @@ fp8 PV pipelining (pv_group, pv_in_flight; V-load prefetch): the first k-step's 
 loaded right after S^T retires (their latency hides behind the softmax) and k-step ks + 1's
 before k-step ks's wgmmas. h_pad 16: groups of 4 M blocks, 2 in flight; h_pad 32: groups of 2,
 3 in flight (2 in flight with the prefetch left a 24-byte spill stack in the cubin; 4 or more
-in flight were ~20 % slower on the H200). The single consumer and the ordered pair at h_pad 32
-(both opt-in) spill with the prefetch and keep per-k-step loads, 2 groups of 2 in flight.
+in flight were ~20 % slower on the H200). The single consumer at h_pad 32 (opt-in) spills with
+the prefetch and keeps per-k-step loads, 2 groups of 2 in flight.
 H200, session 7 (mla_decode_h200_session7_ab.json, `pv12_*` / `pv32_*`): H=12 B=8 L=32K
 49.5 -> 47.0 us, B=64 L=8K 88.6 -> 86.0, B=64 L=32K 308.1 -> 297.0; H=32 B=8 L=32K 63.0 -> 61.0,
 B=64 L=8K 122.0 -> 119.5. PDSERVE_MLA_SWAPAB_PV="group,in_flight" overrides the pair for A/B
@@ -308,7 +305,6 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 BAR_CONSUMER = 1            # named barrier id of consumer warpgroup c: BAR_CONSUMER + c (0 = __syncthreads)
 BAR_BOTH = 3                # two consumers: the 256-thread barrier of both (Q stored, tiles done, merge)
-BAR_ORDER = 4               # two consumers, ordered S^T (opt-in): consumer c waits on id 4 + c
 LAZY_MAX_SLACK = 8.0        # lazy maxima: P up to 2^8 before the running maximum moves
 N_WARPS = 4                 # warps of the consumer warpgroup (16 token rows of S^T each)
 
@@ -317,22 +313,14 @@ class _SplitOrder:
     """Tile t of a consumer that takes its split's tiles t_begin + c, + nc, ... in order: the
     tile body's questions about its place, built where the body asks them."""
 
-    def __init__(self, t, t_begin, t_end, nc: int):
-        self.t, self.t_begin, self.t_end, self.nc = t, t_begin, t_end, nc
+    def __init__(self, t, t_begin, nc: int):
+        self.t, self.t_begin, self.nc = t, t_begin, nc
 
     def buf(self):
         """This consumer's tile count % 2."""
         if self.nc == 1:
             return (self.t - self.t_begin) % 2
         return ((self.t - self.t_begin) // 2) % 2
-
-    def later(self):
-        """Some tile of the split comes before it (the ordered handshake's wait)."""
-        return self.t > self.t_begin
-
-    def more(self):
-        """Some tile of the split comes after it (the ordered handshake's arrive)."""
-        return self.t + 1 < self.t_end
 
     def not_first(self):
         """Not this consumer's first tile (the lazy maxima's exact first step)."""
@@ -341,7 +329,7 @@ class _SplitOrder:
 
 class _DrawOrder:
     """Ring position i of a consumer whose tiles come from sTid (the pool): the same questions,
-    by position. (No ordered handshake with the pool: the tile count is not known ahead.)"""
+    by position."""
 
     def __init__(self, i, nc: int):
         self.i, self.nc = i, nc
@@ -450,12 +438,6 @@ class MlaDecodeSwapAbKernel:
         if consumers not in (1, 2):
             raise ValueError(f"core 'swapab': consumers must be 1 or 2, got {consumers}")
         self.consumers = consumers
-        # two consumers: order the S^T phases in tile order (FA3-style named-barrier handshake:
-        # tile t's S^T wgmmas start once tile t - 1's (the other consumer's) have retired, so
-        # one consumer's softmax / P^T / V conversion runs under the other's S^T). Opt-in
-        # (PDSERVE_MLA_SWAPAB_ORDER=1); default: the two run free
-        self.ordered = (consumers == 2
-                        and env_choice("PDSERVE_MLA_SWAPAB_ORDER", ("0", "1")) == "1")
         self.num_threads = 128 * (1 + consumers)
         # fp8 two consumers: lazy column maxima (see "lazy maxima" in the module docstring);
         # PDSERVE_MLA_SWAPAB_LAZY=0 turns them off (A/B runs)
@@ -502,15 +484,11 @@ class MlaDecodeSwapAbKernel:
         # (session 22: +1.5-4 % at fp8 H=32); bf16 off (it meets its targets without, and its
         # single-consumer build spills 8 B with the pool). PDSERVE_MLA_SWAPAB_POOL=0|2|4|8
         # overrides. Off with `deterministic`: which CTA takes a pool tile varies from run to
-        # run, and with it the rounding of the split partials. Not with the ordered handshake,
-        # which needs the tile count ahead
+        # run, and with it the rounding of the split partials
         pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "2", "4", "8"))
         self.pool_div = (0 if deterministic else int(pool) if pool
-                         else 4 if self.kv_fp8 and not self.ordered else 0)
+                         else 4 if self.kv_fp8 else 0)
         self.pool = self.pool_div > 0
-        if self.pool and self.ordered:
-            raise ValueError("PDSERVE_MLA_SWAPAB_POOL does not go with "
-                             "PDSERVE_MLA_SWAPAB_ORDER=1")
         assert self.merge_bytes <= self.stages * per_stage
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
         # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
@@ -541,9 +519,8 @@ class MlaDecodeSwapAbKernel:
         # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
         self.pv_group, self.pv_in_flight = (4, 2) if h_pad == 16 else (2, 3)
         # the V-load prefetch holds 16 more registers across the softmax: at h_pad 32 the single
-        # consumer and the ordered pair then spill (cubin stack 40 / 16 B), so they load per
-        # k-step
-        self.pv_prefetch = not (h_pad == 32 and (consumers == 1 or self.ordered))
+        # consumer then spills (cubin stack 40 B), so it loads per k-step
+        self.pv_prefetch = not (h_pad == 32 and consumers == 1)
         if not self.pv_prefetch:
             self.pv_in_flight = 2
         env = os.environ.get("PDSERVE_MLA_SWAPAB_PV", "")     # A/B runs: "group,in_flight"
@@ -924,7 +901,7 @@ class MlaDecodeSwapAbKernel:
                         # (the MMA atoms' accumulate fields are set inside: rebound here so
                         # that the loop carries them)
                         qk_mma, qkj_mma, pv_mma, thr_qk, thr_pv = self._tile(
-                            ctx, h, t, _SplitOrder(t, t_begin, t_end, nc))
+                            ctx, h, t, _SplitOrder(t, t_begin, nc))
                 else:
                     # ring position i (consumer c: c, c + nc, ...), its tile t from sTid; -1 ends
                     i = Int32(cons)
@@ -1011,14 +988,6 @@ class MlaDecodeSwapAbKernel:
             # (_fp8_qk; retired when it returns); V rows past the end are zeroed in
             # registers in PV, K rows past the end only reach masked S^T rows
             soff = kstage * (TILE_N * D_QK)
-            if cutlass.const_expr(self.ordered):
-                # after position i - 1's S^T (the other consumer's): one arrive
-                # per position below the last, one wait per position above the
-                # first, so the counts match for any tile count (static tiles only:
-                # the pool is refused with this handshake)
-                if pos.later():
-                    cute.arch.barrier(barrier_id=BAR_ORDER + cons,
-                                      number_of_threads=256)
             if cutlass.const_expr(self.qk_joint):
                 self._fp8_qk_joint(qkj_mma, acc_S, acc_T, tSrK, tSrQ, kstage, fold)
             else:
@@ -1028,10 +997,6 @@ class MlaDecodeSwapAbKernel:
                 # PV's first V words, loaded now: their latency hides behind the
                 # softmax (lazy maxima: after it, see below)
                 vw_first = self._fp8_v_words([a + soff for a in v_addr], 0)
-            if cutlass.const_expr(self.ordered):
-                if pos.more():
-                    cute.arch.barrier_arrive(barrier_id=BAR_ORDER + 1 - cons,
-                                             number_of_threads=256)
         else:
             if last:
                 # zero the V rows past the end (4 of the 512 columns per thread)

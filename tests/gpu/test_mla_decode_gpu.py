@@ -212,10 +212,9 @@ def test_combine_shapes(num_splits, shape, fp8, monkeypatch):
     check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core="swapab")
 
 
-# swapab consumer warpgroups: (cache, PDSERVE_MLA_SWAPAB_CONSUMERS, PDSERVE_MLA_SWAPAB_ORDER); the
-# defaults (fp8: 2 free-running, bf16: 1) run in every other test
-SWAPAB_VARIANTS = {"fp8-1": (True, "1", "0"), "fp8-2-ordered": (True, "2", "1"),
-                   "bf16-2": (False, "2", "0"), "fp8-2": (True, "2", "0")}
+# swapab consumer warpgroups: (cache, PDSERVE_MLA_SWAPAB_CONSUMERS); the defaults (fp8: 2, bf16:
+# 1) run in every other test
+SWAPAB_VARIANTS = {"fp8-1": (True, "1"), "bf16-2": (False, "2"), "fp8-2": (True, "2")}
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
@@ -224,11 +223,10 @@ SWAPAB_VARIANTS = {"fp8-1": (True, "1", "0"), "fp8-2-ordered": (True, "2", "1"),
 @pytest.mark.parametrize("variant", list(SWAPAB_VARIANTS))
 def test_swapab_consumer_variants(variant, num_splits, H, monkeypatch):
     """swapab with one / two consumer warpgroups (tiles alternate between the two, merged in
-    the epilogue) and the ordered S^T handshake: splits of 1 tile (consumer 1 empty), 2, odd
-    and even tile counts, both epilogues."""
-    fp8, consumers, order = SWAPAB_VARIANTS[variant]
+    the epilogue): splits of 1 tile (consumer 1 empty), 2, odd and even tile counts, both
+    epilogues."""
+    fp8, consumers = SWAPAB_VARIANTS[variant]
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_ORDER", order)
     check([1, 64, 65, 128, 129, 192, 3000, 20000 + 33], H, fp8, num_splits=num_splits,
           core="swapab")
 
