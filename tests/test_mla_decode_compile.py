@@ -20,6 +20,8 @@ import pytest
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (test extra) not installed")
 
 from pdserve.kernels.kda_decode.cutedsl import cubin_resources  # noqa: E402
+from pdserve.kernels.mla_decode import combine as mcomb  # noqa: E402
+from pdserve.kernels.mla_decode import common as mcom  # noqa: E402
 from pdserve.kernels.mla_decode import cutedsl as mc  # noqa: E402
 
 VARIANTS = [(False, 16, 64), (False, 32, 64), (True, 16, 64), (True, 32, 64), (False, 32, 128)]
@@ -33,7 +35,7 @@ def test_main_kernel_compiles(kv_fp8, h_pad, page_tokens):
     k = mc.kernel_config(kv_fp8, h_pad, page_tokens, core="mma")
     assert k.stages >= 2 and k.num_threads == 32 * 4 * (h_pad // 16)
     smem = k.h_pad * 576 * 2 + k.stages * 64 * (576 if kv_fp8 else 576 * 2)
-    assert smem <= k.smem_bytes <= mc.SMEM_LIMIT
+    assert smem <= k.smem_bytes <= mcom.SMEM_LIMIT
 
 
 # fp8 direct path (mma core): (h_pad, stages, smem bytes of Q + raw ring + P + stats, CTAs/SM)
@@ -48,7 +50,7 @@ def test_fp8_direct_core(h_pad, page_tokens, tmp_path):
     k = mc.kernel_config(True, h_pad, page_tokens, core="mma")
     stages, smem, ctas = FP8_DIRECT[h_pad]
     assert (k.stages, k.smem_bytes, k.ctas_per_sm) == (stages, smem, ctas)
-    assert k.smem_bytes <= (mc.SMEM_2CTA if ctas == 2 else mc.SMEM_LIMIT)
+    assert k.smem_bytes <= (mcom.SMEM_2CTA if ctas == 2 else mcom.SMEM_LIMIT)
     fn = mc.compile_main(True, h_pad, page_tokens, core="mma", dump_dir=str(tmp_path))
     ptx = fn.artifacts.PTX
     # per tile: S 36 k-steps x 2 N repeats, P V 4 k-steps x 16 repeats
@@ -80,7 +82,7 @@ def test_wgmma_core_compiles(kv_fp8, page_tokens, tmp_path):
     assert res["stack"] == 0, "register spills"
     assert res["regs"] <= 65536 // 384, res                 # 384 threads must fit at launch
     k = mc.kernel_config(kv_fp8, 32, page_tokens, core="wgmma")
-    assert k.num_threads == 384 and k.stages >= 2 and k.smem_bytes <= mc.SMEM_LIMIT
+    assert k.num_threads == 384 and k.stages >= 2 and k.smem_bytes <= mcom.SMEM_LIMIT
     assert mc.compile_main(kv_fp8, 12, page_tokens, core="wgmma") is \
         mc.compile_main(kv_fp8, 32, page_tokens, core="wgmma")  # one variant for every H
 
@@ -105,7 +107,7 @@ def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
     assert res["regs"] <= 65536 // 256, res                 # 256 threads must fit at launch
     k = mc.kernel_config(False, h_pad, page_tokens, core="swapab")
     assert k.num_threads == 256 and k.h_pad == h_pad and k.stages >= 2
-    assert k.smem_bytes <= mc.SMEM_LIMIT
+    assert k.smem_bytes <= mcom.SMEM_LIMIT
     # h_pad is part of the variant (cached per (h_pad, page size))
     assert mc.compile_main(False, h_pad, page_tokens, core="swapab") is \
         mc.compile_main(False, h_pad, page_tokens, core="swapab")
@@ -211,7 +213,7 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert k.consumers == 2 and k.num_threads == 384
     assert k.qk_joint == (h_pad == 16)               # the joint S^T: the default at h_pad 16
     assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
-    assert k.smem_bytes <= mc.SMEM_LIMIT and k.tma_bytes == 64 * 576
+    assert k.smem_bytes <= mcom.SMEM_LIMIT and k.tma_bytes == 64 * 576
     # the merge (each consumer's O^T fragments of the heads the other writes + their max / sum)
     # fits in the ring
     assert k.xmerge and k.merge_bytes == (128 * 4 * h_pad + 2 * 2 * h_pad) * 4 <= \
@@ -290,7 +292,7 @@ def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", str(consumers))
     k = mc.kernel_config(kv_fp8, 32, 64, core="swapab")
     assert k.consumers == consumers and k.num_threads == 128 * (1 + consumers)
-    assert k.smem_bytes <= mc.SMEM_LIMIT
+    assert k.smem_bytes <= mcom.SMEM_LIMIT
     if kv_fp8:
         assert (k.stages, k.smem_bytes) == SWAPAB_FP8_ONE[32]
     fn = mc.compile_main(kv_fp8, 32, 64, core="swapab", dump_dir=str(tmp_path))
@@ -634,38 +636,38 @@ def test_swapab_fp8_q_split_numerics():
 
 
 def test_combine_kernel_compiles():
+    few, narrow, wide, beside, beside_bf16 = (
+        mcomb.COMBINE_FEW, mcomb.COMBINE_NARROW, mcomb.COMBINE_WIDE, mcomb.COMBINE_WIDE_BESIDE,
+        mcomb.COMBINE_WIDE_BESIDE_BF16)
     # fp32 partials (mma, wgmma cores) and bf16 (swapab): separate variants
-    for shape in (mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_WIDE, mc.COMBINE_WIDE_BESIDE,
-                  mc.COMBINE_WIDE_BESIDE_BF16):
-        assert mc.compile_combine(shape) is mc.compile_combine(shape)
-        bf = mc.compile_combine(shape, cutlass.BFloat16)
-        assert bf is mc.compile_combine(shape, cutlass.BFloat16) and bf is not \
-            mc.compile_combine(shape)
+    for shape in (few, narrow, wide, beside, beside_bf16):
+        assert mcomb.compile_combine(shape) is mcomb.compile_combine(shape)
+        bf = mcomb.compile_combine(shape, cutlass.BFloat16)
+        assert bf is mcomb.compile_combine(shape, cutlass.BFloat16) and bf is not \
+            mcomb.compile_combine(shape)
     assert [mc.kernel_config(kv_fp8, 32, 64, core=c).partial_dtype
             for kv_fp8 in (False, True) for c in mc.CORES] == [
         cutlass.Float32] * 5 + [cutlass.BFloat16]        # bf16 partials: swapab with fp8 only
     # one group while every split is among a thread's first UNROLL partial loads
-    assert [mc.choose_combine(n) for n in (2, 8, 9, 31, 32, 300)] == [
-        mc.COMBINE_FEW, mc.COMBINE_FEW, mc.COMBINE_NARROW, mc.COMBINE_NARROW, mc.COMBINE_WIDE,
-        mc.COMBINE_WIDE]
+    assert [mcomb.choose_combine(n) for n in (2, 8, 9, 31, 32, 300)] == [
+        few, few, narrow, narrow, wide, wide]
     # many splits: the attention grid's CTAs decide (>= 3/4 of the 132 SMs: full), then the
     # partials' type; few splits ignore both
-    assert [mc.choose_combine(64, ctas, fp32) for ctas, fp32 in
+    assert [mcomb.choose_combine(64, ctas, fp32) for ctas, fp32 in
             ((128, True), (99, False), (98, True), (64, True), (64, False))] == [
-        mc.COMBINE_WIDE, mc.COMBINE_WIDE, mc.COMBINE_WIDE_BESIDE, mc.COMBINE_WIDE_BESIDE,
-        mc.COMBINE_WIDE_BESIDE_BF16]
-    assert mc.choose_combine(8, 8, False) == mc.COMBINE_FEW
-    assert mc.choose_combine(31, 31, True) == mc.COMBINE_NARROW
+        wide, wide, beside, beside, beside_bf16]
+    assert mcomb.choose_combine(8, 8, False) == few
+    assert mcomb.choose_combine(31, 31, True) == narrow
 
 
 def test_combine_shape_override(monkeypatch):
     """PDSERVE_MLA_COMBINE forces a valid shape for every call and refuses others by name."""
     monkeypatch.setenv("PDSERVE_MLA_COMBINE", "2,4")
-    assert [mc.choose_combine(n) for n in (2, 16, 300)] == [(2, 4)] * 3
+    assert [mcomb.choose_combine(n) for n in (2, 16, 300)] == [(2, 4)] * 3
     for bad in ("3,4", "1,16", "x", "1"):
         monkeypatch.setenv("PDSERVE_MLA_COMBINE", bad)
         with pytest.raises(ValueError, match="PDSERVE_MLA_COMBINE"):
-            mc.choose_combine(16)
+            mcomb.choose_combine(16)
 
 
 def test_swapab_pair_switches(monkeypatch):

@@ -1,6 +1,6 @@
 """Swap-AB warpgroup-MMA core of the CuTe DSL MLA decode kernel (Hopper sm_90a), core="swapab".
 
-Same contract as the other cores (`MlaDecodeKernel` in cutedsl.py, `MlaDecodeWgmmaKernel` in
+Same contract as the other cores (`MlaDecodeKernel` in mma.py, `MlaDecodeWgmmaKernel` in
 wgmma.py: same arguments, one CTA per (KV split, request), 64-token tiles inside one page, bf16
 output + natural-log LSE, or fp32 split partials + LSE for `CombineKernel`); bf16 or fp8 e4m3
 cache (the fp8 path is described after the bf16 one).
@@ -295,11 +295,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, MlaDecodeKernel,
-                                                _cvt_e4m3x2_f16x2, _prmt, copy_q_rows, env_choice,
-                                                query_tensors, result_tensors, split_tile_range,
-                                                tma_load_tile, tma_produce_tiles, tma_tile_views,
-                                                wgmma_c_mn_view, write_empty_split)
+from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N,
+                                               _cvt_e4m3x2_f16x2, _prmt, copy_q_rows, env_choice,
+                                               lds_u32, query_tensors, result_tensors,
+                                               split_tile_range, tma_load_tile, tma_produce_tiles,
+                                               tma_tile_views, wgmma_c_mn_view, write_empty_split)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -1604,7 +1604,7 @@ class MlaDecodeSwapAbKernel:
     @staticmethod
     def _fp8_v_words(vbase, ks):
         """The raw V words of k-step ks: four 16-byte loads (j = jp + 2 jh), see _fp8_pv."""
-        return [MlaDecodeKernel._lds_u32(vbase[j % 2] + (1024 * ks + 512 * (j // 2)), 4)
+        return [lds_u32(vbase[j % 2] + (1024 * ks + 512 * (j // 2)), 4)
                 for j in range(4)]
 
     def _fp8_pv(self, pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff, n_valid, h,

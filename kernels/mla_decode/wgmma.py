@@ -1,6 +1,6 @@
 """Warpgroup-MMA (wgmma) core of the CuTe DSL MLA decode kernel (Hopper sm_90a), core="wgmma".
 
-Same contract as the mma.sync core in cutedsl.py (`MlaDecodeKernel`: same arguments, one CTA per
+Same contract as the mma.sync core in mma.py (`MlaDecodeKernel`: same arguments, one CTA per
 (KV split, request), 64-token tiles inside one page, bf16 output + natural-log LSE, or fp32
 split partials + LSE for `CombineKernel`); selected with `core="wgmma"` (compile_main /
 mla_decode_cutedsl) or PDSERVE_MLA_CORE=wgmma.
@@ -62,10 +62,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from pdserve.kernels.mla_decode.cutedsl import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
-                                                query_tensors, result_tensors, split_tile_range,
-                                                tma_produce_tiles, wgmma_c_mn_view,
-                                                write_empty_split)
+from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
+                                               query_tensors, result_tensors, split_tile_range,
+                                               tma_produce_tiles, wgmma_c_mn_view,
+                                               write_empty_split)
 
 M = 64                      # wgmma rows: the request's heads, padded to 64 with zero queries
 N_WG = 2                    # consumer warpgroups, each owning WG_COLS output columns
