@@ -24,7 +24,7 @@ LN_2 = 0.6931471805599453
 NUM_SMS_H200 = 132
 
 
-def _swizzled_atom(cols: int):
+def swizzled_atom(cols: int):
     bits = {64: 3, 32: 2, 16: 1}[cols]
     return cute.make_composed_layout(
         cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, cols), stride=(cols, 1)))
@@ -140,7 +140,7 @@ def wgmma_c_mn_view(t):
 
 
 @dsl_user_op
-def _cvt_e4m3x2_f16x2(x, high: bool, *, loc=None, ip=None) -> Int32:
+def cvt_e4m3x2_f16x2(x, high: bool, *, loc=None, ip=None) -> Int32:
     """The two e4m3 bytes of the low (high=False) or high half of the 32-bit x -> f16x2 (exact;
     the lower byte into the lower half)."""
     half = "hi" if high else "lo"
@@ -152,7 +152,7 @@ def _cvt_e4m3x2_f16x2(x, high: bool, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def _prmt(a, b, sel: int, *, loc=None, ip=None) -> Int32:
+def prmt(a, b, sel: int, *, loc=None, ip=None) -> Int32:
     """prmt.b32 with an immediate selector (bytes 0-3 from a, 4-7 from b)."""
     return Int32(llvm.inline_asm(
         T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],

@@ -31,8 +31,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from pdserve.kernels.mla_decode.common import (
-    D_QK, D_V, LN_2, SMEM_2CTA, SMEM_LIMIT, TILE_N, _cvt_e4m3x2_f16x2, _prmt,
-    _swizzled_atom, lds_u32, query_tensors, result_tensors, split_tile_range, write_empty_split)
+    D_QK, D_V, LN_2, SMEM_2CTA, SMEM_LIMIT, TILE_N, cvt_e4m3x2_f16x2, lds_u32, prmt,
+    query_tensors, result_tensors, split_tile_range, swizzled_atom, write_empty_split)
 
 
 class MlaDecodeKernel:
@@ -149,10 +149,10 @@ class MlaDecodeKernel:
                                                     batch, heads, num_splits)
 
         # ---- shared memory layouts ----
-        sQ_layout = cute.tile_to_shape(_swizzled_atom(64), (hp, D_QK), (0, 1))
-        sKV_layout = cute.tile_to_shape(_swizzled_atom(64), (TILE_N, D_QK), (0, 1))
-        sKV_staged = cute.tile_to_shape(_swizzled_atom(64), (TILE_N, D_QK, self.stages), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(_swizzled_atom(64), (hp, TILE_N), (0, 1))
+        sQ_layout = cute.tile_to_shape(swizzled_atom(64), (hp, D_QK), (0, 1))
+        sKV_layout = cute.tile_to_shape(swizzled_atom(64), (TILE_N, D_QK), (0, 1))
+        sKV_staged = cute.tile_to_shape(swizzled_atom(64), (TILE_N, D_QK, self.stages), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(swizzled_atom(64), (hp, TILE_N), (0, 1))
         sStat_layout = cute.make_layout((hp, self.nw), stride=(self.nw, 1))
         if cutlass.const_expr(self.kv_fp8):
             # raw fp8 ring, in bytes: c_kv rows of 512 (16-byte units XOR-swizzled at 32-byte
@@ -407,8 +407,8 @@ class MlaDecodeKernel:
                         for s4 in cutlass.range_constexpr(4):
                             k = 4 * c + s4
                             for r in cutlass.range_constexpr(2):
-                                tSrK32[0, r, k] = _cvt_e4m3x2_f16x2(kw[r][s4], False)
-                                tSrK32[1, r, k] = _cvt_e4m3x2_f16x2(kw[r][s4], True)
+                                tSrK32[0, r, k] = cvt_e4m3x2_f16x2(kw[r][s4], False)
+                                tSrK32[1, r, k] = cvt_e4m3x2_f16x2(kw[r][s4], True)
                             if cutlass.const_expr(k + 1 < n_k):
                                 cute.copy(s2r_A, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
                             cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k],
@@ -479,13 +479,13 @@ class MlaDecodeKernel:
                             for h in cutlass.range_constexpr(2):
                                 for q in cutlass.range_constexpr(2):
                                     # pair (token 2 tig (+8), token 2 tig + 1 (+8)) per byte
-                                    lo = _prmt(vw[2 * q][h], vw[2 * q + 1][h], 0x5140)
-                                    hi = _prmt(vw[2 * q][h], vw[2 * q + 1][h], 0x7362)
+                                    lo = prmt(vw[2 * q][h], vw[2 * q + 1][h], 0x5140)
+                                    hi = prmt(vw[2 * q][h], vw[2 * q + 1][h], 0x7362)
                                     rep = 8 * j + 4 * h
-                                    tOrV32[q, rep + 0, k] = _cvt_e4m3x2_f16x2(lo, False)
-                                    tOrV32[q, rep + 1, k] = _cvt_e4m3x2_f16x2(lo, True)
-                                    tOrV32[q, rep + 2, k] = _cvt_e4m3x2_f16x2(hi, False)
-                                    tOrV32[q, rep + 3, k] = _cvt_e4m3x2_f16x2(hi, True)
+                                    tOrV32[q, rep + 0, k] = cvt_e4m3x2_f16x2(lo, False)
+                                    tOrV32[q, rep + 1, k] = cvt_e4m3x2_f16x2(lo, True)
+                                    tOrV32[q, rep + 2, k] = cvt_e4m3x2_f16x2(hi, False)
+                                    tOrV32[q, rep + 3, k] = cvt_e4m3x2_f16x2(hi, True)
                         cute.gemm(tiled_mma_o, acc_O, tOrP[None, None, k], tOrV[None, None, k],
                                   acc_O)
                 else:

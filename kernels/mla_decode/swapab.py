@@ -295,11 +295,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N,
-                                               _cvt_e4m3x2_f16x2, _prmt, copy_q_rows, env_choice,
-                                               lds_u32, query_tensors, result_tensors,
-                                               split_tile_range, tma_load_tile, tma_produce_tiles,
-                                               tma_tile_views, wgmma_c_mn_view, write_empty_split)
+from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
+                                               cvt_e4m3x2_f16x2, env_choice, lds_u32, prmt,
+                                               query_tensors, result_tensors, split_tile_range,
+                                               tma_load_tile, tma_produce_tiles, tma_tile_views,
+                                               wgmma_c_mn_view, write_empty_split)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -1489,8 +1489,8 @@ class MlaDecodeSwapAbKernel:
                 hi = cute.make_rmem_tensor((2,), Int32)
                 lo = cute.make_rmem_tensor((2,), Int32)
                 for w in range(2):
-                    hi[w] = _prmt(pr[2 * w], pr[2 * w + 1], 0x5410)
-                    lo[w] = _prmt(pr[2 * w], pr[2 * w + 1], 0x7632)
+                    hi[w] = prmt(pr[2 * w], pr[2 * w + 1], 0x5410)
+                    lo[w] = prmt(pr[2 * w], pr[2 * w + 1], 0x7632)
                 crd = tQc[0, m, c]
                 off = q_base + self._q8_offset(hp, crd[0], crd[1], self.qk_joint)
                 terms = ((off, hi), (off + self._q8_lo(hp, self.qk_joint), lo))
@@ -1642,10 +1642,10 @@ class MlaDecodeSwapAbKernel:
                     # bytes 2 mb, 2 mb + 1 of both tokens: word mb // 2, bytes 0-1 or 2-3
                     sel = 0x5140 if mb % 2 == 0 else 0x7362
                     for jh in range(2):
-                        pr = _prmt(vw[2 * jh][mb // 2], vw[2 * jh + 1][mb // 2], sel)
+                        pr = prmt(vw[2 * jh][mb // 2], vw[2 * jh + 1][mb // 2], sel)
                         # word r8 + 2 jh: rows g (r8 0) / g + 8 (r8 1), k = 2 tig + 8 jh (+1)
-                        rA32[4 * mbl + 2 * jh] = _cvt_e4m3x2_f16x2(pr, False)
-                        rA32[4 * mbl + 2 * jh + 1] = _cvt_e4m3x2_f16x2(pr, True)
+                        rA32[4 * mbl + 2 * jh] = cvt_e4m3x2_f16x2(pr, False)
+                        rA32[4 * mbl + 2 * jh + 1] = cvt_e4m3x2_f16x2(pr, True)
                 if ks == TILE_N // 16 - 1 and half == 8 // gb - 1:
                     # every load of the stage has been consumed by this warp's lanes
                     cute.arch.sync_warp()
