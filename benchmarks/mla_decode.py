@@ -21,8 +21,9 @@ command and are recorded in the JSON ("env").
 the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma", and
 mla_decode_h200_<core>.json otherwise, with "_early_kv" appended under --early-kv. --early-kv
 lets the kernel read the cache before the PDL wait (the benchmark's previous kernel writes none
-of it). The swapab core's consumer warpgroups are chosen per cell (cutedsl.call_consumers,
-recorded in each row); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides.
+of it). The swapab core's consumer warpgroups and tile-pool share are the launcher's for each
+cell (cutedsl.call_variant; recorded in each row as consumers and pool_div);
+PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 and PDSERVE_MLA_SWAPAB_POOL=0|2|4|8 override.
 """
 from __future__ import annotations
 
@@ -48,14 +49,12 @@ MIN_CALLS = 16
 
 
 def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, head_groups=None):
-    from pdserve.kernels.mla_decode.cutedsl import (
-        call_consumers, call_pool, h_pad_for, kernel_config, mla_decode_cutedsl, plan_call)
+    from pdserve.kernels.mla_decode.cutedsl import call_variant, mla_decode_cutedsl, plan_call
     core, splits, head_groups = plan_call(B, H, L, fp8, core, early_kv, splits, head_groups)
-    consumers = call_consumers(core, fp8, L, splits)
-    # the swapab tile pool's share in these calls (1 / pool_div of each split's tiles; 0: none)
-    pool_div = (kernel_config(fp8, h_pad_for(H // head_groups), PAGE, core, early_kv, head_groups,
-                              consumers, deterministic=not call_pool(L, splits)).pool_div
-                if core == "swapab" else 0)
+    # the kernel these calls run: the swapab core's consumer warpgroups and tile pool share
+    # (1 / pool_div of each split's tiles; 0: none)
+    k, _ = call_variant(fp8, H // head_groups, PAGE, core, early_kv, head_groups, L, splits)
+    consumers, pool_div = (k.consumers, k.pool_div) if core == "swapab" else (None, 0)
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     n_sets = max(1, min(64, -(-ROTATE_BYTES // per_call)))     # disjoint page sets

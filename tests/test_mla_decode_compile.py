@@ -752,6 +752,13 @@ def test_call_pool_only_for_long_splits(monkeypatch):
     assert mc.call_pool(64 * 64, 2) and not mc.call_pool(62 * 64, 2)
     assert not mc.call_pool(4096 * 64, 1)                # one split: no pool to share
     assert not mc.call_pool(None, 2)
+    # the launcher's variant for a planned call carries that choice (and determinism's)
+    for (B, L), pool_div in {(8, 32768): 4, (1, 8192): 0}.items():
+        core, splits, groups = mc.plan_call(B, 32, L, True, None, True)
+        k = mc.call_variant(True, 32 // groups, 64, core, True, groups, L, splits)[0]
+        assert k.pool_div == pool_div, (B, L)
+    assert mc.call_variant(True, 32, 64, "swapab", True, 1, 32768, 16,
+                           deterministic=True)[0].pool_div == 0
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
     assert mc.call_pool(8192, 64) and mc.call_pool(None, 2)
 

@@ -147,17 +147,21 @@ def choose_consumers(kv_fp8: bool, tiles_per_split: int | None = None) -> int:
     return 1 if tiles_per_split is not None and tiles_per_split <= 2 else 2
 
 
+def split_tiles(max_seq_len: int | None, num_splits: int) -> int | None:
+    """Tiles in each split of the longest request (None when its length is unknown)."""
+    if max_seq_len is None:
+        return None
+    n_tiles = -(-int(max_seq_len) // TILE_N)
+    return -(-n_tiles // int(num_splits))
+
+
 def call_consumers(core: str, kv_fp8: bool, max_seq_len: int | None,
                    num_splits: int) -> int | None:
     """The swapab core's consumer warpgroups for one call (choose_consumers with the longest
     request's tiles per split; None for the other cores)."""
     if core != "swapab":
         return None
-    tiles = None
-    if max_seq_len is not None:
-        n_tiles = -(-int(max_seq_len) // TILE_N)
-        tiles = -(-n_tiles // int(num_splits))
-    return choose_consumers(kv_fp8, tiles)
+    return choose_consumers(kv_fp8, split_tiles(max_seq_len, num_splits))
 
 
 # the swapab fp8 tile pool pays where a split has this many tiles (call_pool)
@@ -176,8 +180,7 @@ def call_pool(max_seq_len: int | None, num_splits: int) -> bool:
         return True
     if max_seq_len is None or num_splits < 2:
         return False
-    n_tiles = -(-int(max_seq_len) // TILE_N)
-    return -(-n_tiles // int(num_splits)) >= POOL_MIN_TILES
+    return split_tiles(max_seq_len, num_splits) >= POOL_MIN_TILES
 
 
 def _core(core: str | None) -> str:
@@ -251,6 +254,17 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
     if key not in _COMPILED:
         _COMPILED[key] = (k, cute.compile(k, *_fake_args_main(k)))
     return _COMPILED[key]
+
+
+def call_variant(kv_fp8: bool, heads: int, page_tokens: int, core: str, early_kv: bool,
+                 head_groups: int, max_seq_len: int | None, num_splits: int, q_terms: int = 2,
+                 deterministic: bool = False):
+    """main_variant for one planned call (plan_call's core, splits and head groups; `heads` per
+    head group): the swapab core's consumers (call_consumers) and tile pool (call_pool) for
+    this shape."""
+    return main_variant(kv_fp8, h_pad_for(heads), page_tokens, core, early_kv, head_groups,
+                        call_consumers(core, kv_fp8, max_seq_len, num_splits), q_terms,
+                        deterministic or not call_pool(max_seq_len, num_splits))
 
 
 
@@ -424,9 +438,8 @@ def mla_decode_cutedsl(
     # the main kernel sees B * groups requests of H / groups heads: contiguous views of q, the
     # outputs and the partials; the combine sees [B, H]
     Bv, Hv = B * groups, H // groups
-    kernel, main = main_variant(fp8, h_pad_for(Hv), page_tokens, core, early_kv, groups,
-                                call_consumers(core, fp8, msl, num_splits), q_terms,
-                                deterministic or not call_pool(msl, num_splits))
+    kernel, main = call_variant(fp8, Hv, page_tokens, core, early_kv, groups, msl, num_splits,
+                                q_terms, deterministic)
     pdt = kernel.partial_dtype            # split partials: bf16 (swapab, fp8 cache) or fp32
     if num_splits > 1:
         o_part = torch.empty(num_splits, B, H, D_V, device=dev,
