@@ -15,7 +15,8 @@ and the cache dtype) and recorded in each row.
                                     [--ctx 1024,8192,32768,131072]
 
 PDSERVE_MLA_* environment switches (e.g. PDSERVE_MLA_SWAPAB_PV) go in front of the
-command and are recorded in the JSON ("env").
+command and are recorded in the JSON ("env"); PDSERVE_MLA_FP8_QUERY=split runs the fp8 cells
+with the two-term query instead of the default single one (each fp8 row records fp8_query).
 
 --core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell);
 the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma", and
@@ -49,8 +50,10 @@ MIN_CALLS = 16
 
 
 def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, head_groups=None):
-    from pdserve.kernels.mla_decode.cutedsl import call_variant, mla_decode_cutedsl, plan_call
+    from pdserve.kernels.mla_decode.cutedsl import (call_variant, mla_decode_cutedsl, plan_call,
+                                                    resolve_fp8_query)
     core, splits, head_groups = plan_call(B, H, L, fp8, core, early_kv, splits, head_groups)
+    fp8_query = resolve_fp8_query(None, core, fp8)     # the launcher's (PDSERVE_MLA_FP8_QUERY)
     # the kernel these calls run: the swapab core's consumer warpgroups and tile pool share
     # (1 / pool_div of each split's tiles; 0: none)
     k, _ = call_variant(fp8, H // head_groups, PAGE, core, early_kv, head_groups, L, splits)
@@ -91,6 +94,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
     torch.cuda.empty_cache()
     return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, early_kv=early_kv,
                 num_splits=splits, head_groups=head_groups, consumers=consumers, pool_div=pool_div,
+                fp8_query=fp8_query if fp8 else None,
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
                 frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,

@@ -81,10 +81,10 @@ class DecodeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_slots: int = 65
     conv_layout: Literal["SD", "DS"] = "SD"
     cuda_graphs: bool = False        # capture the decode step per batch bucket (GPU, TP 1)
-    # the MLA kernel's query with an fp8 latent pool (backend cutedsl): "split" = two e4m3
-    # terms (as precise as the bf16 query), "single" = one e4m3 term like vLLM's fp8 MLA path
-    # (faster: half the score MMAs; adds the query's e4m3 rounding to the scores)
-    mla_fp8_query: Literal["split", "single"] = "split"
+    # the MLA kernel's query with an fp8 latent pool (backend cutedsl; unset: "single"):
+    # "single" = one e4m3 term as vLLM's fp8 MLA path rounds it, "split" = two e4m3 terms (as
+    # precise as the bf16 query; twice the score MMAs, 8-20 % slower at H=32)
+    mla_fp8_query: Literal["single", "split"] | None = None
     # bit-identical MLA outputs from run to run for equal inputs (backend cutedsl): turns off
     # the fp8 kernel's tile pool, which balances a request's last tiles between its CTAs at
     # run time (1.5-4 % of the kernel's time at fp8 H=32)
@@ -164,6 +164,12 @@ def _positive(name: str, value: float) -> None:
         raise ConfigError(name, f"must be positive, got {value}")
 
 
+def mla_fp8_pool(cfg: ServeConfig) -> bool:
+    """Whether decode runs the cutedsl MLA kernel over an fp8 latent pool (where
+    decode.mla_fp8_query applies)."""
+    return cfg.decode.backend == "cutedsl" and cfg.state.latent_dtype == "float8_e4m3fn"
+
+
 def validate(cfg: ServeConfig) -> ModelConfig:
     """Check every field against the others and the model; returns the model config."""
     for name in ("prefill.instances", "prefill.tp", "prefill.num_pages", "prefill.num_slots",
@@ -212,10 +218,9 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                           "runtime yet (transfer supports it); use 1")
     if cfg.decode.num_slots < 2:
         raise ConfigError("decode.num_slots", "needs at least 2 (slot 0 is padding)")
-    if cfg.decode.mla_fp8_query == "single" and (cfg.decode.backend != "cutedsl"
-                                                 or cfg.state.latent_dtype != "float8_e4m3fn"):
-        raise ConfigError("decode.mla_fp8_query", "\"single\" applies to the cutedsl MLA kernel "
-                          "over an fp8 latent pool: needs decode.backend = \"cutedsl\" and "
+    if cfg.decode.mla_fp8_query is not None and not mla_fp8_pool(cfg):
+        raise ConfigError("decode.mla_fp8_query", "applies to the cutedsl MLA kernel over an fp8 "
+                          "latent pool: needs decode.backend = \"cutedsl\" and "
                           f"state.latent_dtype = \"float8_e4m3fn\" (got {cfg.decode.backend!r}, "
                           f"{cfg.state.latent_dtype!r})")
     name = cfg.model.name
@@ -394,8 +399,8 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
     else:
         pools = [("prefill", cfg.prefill, f", engine {cfg.prefill.engine}"),
                  ("decode", cfg.decode, f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}"
-                  + (" (MLA fp8 query: single e4m3 term)"
-                     if cfg.decode.mla_fp8_query == "single" else "")
+                  + ((" (MLA fp8 query: two e4m3 terms)" if cfg.decode.mla_fp8_query == "split"
+                      else " (MLA fp8 query: single e4m3 term)") if mla_fp8_pool(cfg) else "")
                   + (", deterministic MLA" if cfg.decode.mla_deterministic else "")
                   + f", max batch {cfg.decode.max_batch}")]
     for role, sec, extra in pools:

@@ -156,8 +156,9 @@ def test_mla_fused_decode_matches_the_torch_layer(latent_dtype):
 def test_mla_step_passes_the_fp8_query_mode(monkeypatch):
     """decode.mla_fp8_query reaches the op: a step built with "single" calls the resolved
     implementation with fp8_query="single" (here the reference op, standing in for an accepted
-    cutedsl call), which rounds the query to one e4m3 term over an fp8 pool; "split" leaves the
-    call as it was. An unknown mode is refused when the step is built."""
+    cutedsl call), which rounds the query to one e4m3 term over an fp8 pool; "split" reaches it
+    as fp8_query="split" (the query unrounded). An unknown mode is refused when the step is
+    built."""
     from pdserve.kernels.mla_decode.reference import quantize_query_e4m3
     monkeypatch.setattr(registry, "resolve", lambda op, backend, problem: registry.Resolution(
         mla_decode_reference, backend, None))
@@ -168,7 +169,7 @@ def test_mla_step_passes_the_fp8_query_mode(monkeypatch):
     seq = torch.tensor([100, 30], dtype=torch.int32)
     args = (q, cache, bt, seq, 192 ** -0.5, 0.05)
     single = mla_step_for("cutedsl", "single")(*args)
-    split = mla_step_for("cutedsl")(*args)
+    split = mla_step_for("cutedsl", "split")(*args)
     want = mla_decode_reference(quantize_query_e4m3(q), *args[1:])
     assert torch.equal(single[1], want[1]) and torch.equal(single[0], want[0].to(q.dtype))
     assert torch.equal(split[1], mla_decode_reference(*args)[1])
@@ -179,8 +180,8 @@ def test_mla_step_passes_the_fp8_query_mode(monkeypatch):
 
 def test_mla_step_passes_determinism(monkeypatch):
     """decode.mla_deterministic reaches the op: the resolved implementation is called with
-    deterministic=True only when asked (the default call keeps the kernel's default), next to
-    fp8_query; the reference backend has no step either way."""
+    deterministic=True only when asked, and with fp8_query only when one was chosen (the default
+    call keeps the kernel's defaults); the reference backend has no step either way."""
     seen = []
     monkeypatch.setattr(registry, "resolve", lambda op, backend, problem: registry.Resolution(
         lambda *args, **opts: seen.append(opts), backend, None))
@@ -189,8 +190,9 @@ def test_mla_step_passes_determinism(monkeypatch):
     mla_step_for("cutedsl")(*args, out=1)
     mla_step_for("cutedsl", deterministic=True)(*args, out=2)
     mla_step_for("cutedsl", "single", True)(*args)
+    mla_step_for("cutedsl", "split")(*args)
     assert seen == [{"out": 1}, {"deterministic": True, "out": 2},
-                    {"fp8_query": "single", "deterministic": True}]
+                    {"fp8_query": "single", "deterministic": True}, {"fp8_query": "split"}]
     assert mla_step_for("reference", deterministic=True) is None
 
 

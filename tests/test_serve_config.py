@@ -27,6 +27,8 @@ def test_shipped_configs_validate(path):
     ("[decode]\nmla_fp8_query = \"half\"\n", "decode.mla_fp8_query", "split"),
     ("[decode]\nbackend = \"cutedsl\"\nmla_fp8_query = \"single\"\n", "decode.mla_fp8_query",
      "float8_e4m3fn"),
+    ("[state]\nlatent_dtype = \"float8_e4m3fn\"\n[decode]\nmla_fp8_query = \"split\"\n",
+     "decode.mla_fp8_query", "cutedsl"),
     ("[state]\nlatent_dtype = \"float7\"\n", "state.latent_dtype", "float7"),
     ("[transfer]\nlease_s = -1\n", "transfer.lease_s", "positive"),
     ("[decode]\nnum_slots = 1\n", "decode.num_slots", "slot 0"),
@@ -250,8 +252,9 @@ def test_check_prints_the_vllm_topology(capsys):
 def test_mla_fp8_query_and_determinism_reach_the_decode_ranks(tmp_path):
     """decode.mla_fp8_query = "single" (with the cutedsl backend over an fp8 latent pool) and
     decode.mla_deterministic = true are what every decode rank is built with, and `pdserve
-    check` says so; the defaults are "split" and false; a non-boolean is refused naming the
-    field."""
+    check` says so; unset, the query mode is the kernel's default (None; `check` shows
+    "single" over an fp8 pool, nothing otherwise) and determinism false; a non-boolean is
+    refused naming the field."""
     from pdserve.cluster.config import describe
     from pdserve.cluster.serve import decode_kwargs
     path = tmp_path / "fp8.toml"
@@ -260,9 +263,20 @@ def test_mla_fp8_query_and_determinism_reach_the_decode_ranks(tmp_path):
     cfg, model = load_serve_config(path)
     assert decode_kwargs(cfg)["mla_fp8_query"] == "single"
     assert "backend cutedsl (MLA fp8 query: single e4m3 term)" in describe(cfg, model)
+    path.write_text("[state]\nlatent_dtype = \"float8_e4m3fn\"\n"
+                    "[decode]\nbackend = \"cutedsl\"\nmla_fp8_query = \"split\"\n")
+    cfg, model = load_serve_config(path)
+    assert decode_kwargs(cfg)["mla_fp8_query"] == "split"
+    assert "backend cutedsl (MLA fp8 query: two e4m3 terms)" in describe(cfg, model)
+    path.write_text("[state]\nlatent_dtype = \"float8_e4m3fn\"\n[decode]\nbackend = \"cutedsl\"\n")
+    cfg, model = load_serve_config(path)
+    assert decode_kwargs(cfg)["mla_fp8_query"] is None
+    assert "backend cutedsl (MLA fp8 query: single e4m3 term)" in describe(cfg, model)
     path.write_text("[decode]\nbackend = \"cutedsl\"\n")
-    kw = decode_kwargs(load_serve_config(path)[0])
-    assert kw["mla_fp8_query"] == "split" and kw["mla_deterministic"] is False
+    cfg, model = load_serve_config(path)
+    kw = decode_kwargs(cfg)
+    assert kw["mla_fp8_query"] is None and kw["mla_deterministic"] is False
+    assert "MLA fp8 query" not in describe(cfg, model)
     path.write_text("[decode]\nbackend = \"cutedsl\"\nmla_deterministic = true\n")
     cfg, model = load_serve_config(path)
     assert decode_kwargs(cfg)["mla_deterministic"] is True

@@ -8,7 +8,16 @@ pieces in common.py.
 Not in here (torch for now): query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and
 the sigmoid output gate.
 
-Status on the H200 (figures of record: benchmarks/results/
+Status on the H200, session 23 (figures of record: benchmarks/results/
+mla_decode_h200_auto_early_kv_session23.json, machine ...019329, the launcher's defaults, where
+the five GPU test files passed, 559 tests): the fp8 query is now one e4m3 term by default
+(fp8_query="single", vLLM's rounding; resolve_fp8_query). Fraction of the copy floor where
+B x L >= 256K: bf16 0.88-1.02, fp8 H=12 0.80-1.02, fp8 H=32 0.763-0.929 (B=8 L=32K 0.763, B=64
+L=8K 0.783): every cell meets 0.75. The two-term query (fp8_query="split",
+_split_query_session23.json): fp8 H=32 0.704-0.792, four cells below 0.75. B = 1, L = 8K: bf16
+7.3 / 10.0 us, fp8 8.3 / 9.5 (H = 12 / 32); bf16 H=32 sits on the 10 us line.
+
+Earlier status (figures of record then: benchmarks/results/
 mla_decode_h200_auto_early_kv_session19.json, machine ...032740, commit b33623d, lazy maxima with
 the per-thread rise check in the fp8 two-consumer kernel (swapab.py), early_kv; 467 GPU tests
 passed on that machine; what each session tried: docs/kernel_history.md): fraction of the copy
@@ -344,6 +353,21 @@ def plan_call(batch: int, heads: int, max_seq_len: int | None, kv_fp8: bool, cor
     return core, num_splits, head_groups
 
 
+def resolve_fp8_query(fp8_query: str | None, core: str, kv_fp8: bool) -> str:
+    """The query rounding a call runs (the reference's `fp8_query` that matches it): the
+    caller's, else PDSERVE_MLA_FP8_QUERY, else "single" for the swapab core over an fp8 cache
+    (vLLM's fp8 MLA rounding) and "split" otherwise. "single" asked of the mma / wgmma cores is
+    refused (ValueError); with a bf16 cache the query is never rounded ("split")."""
+    asked = fp8_query if fp8_query is not None else os.environ.get("PDSERVE_MLA_FP8_QUERY")
+    if asked is None or asked == "":
+        return "single" if kv_fp8 and core == "swapab" else "split"
+    if check_fp8_query(asked) == "split" or not kv_fp8:
+        return "split"
+    if core != "swapab":
+        raise ValueError(f"fp8_query='single' needs the swapab core, got core {core!r}")
+    return "single"
+
+
 def check_inputs(q, kv_cache, block_table, seq_lens, out=None, lse=None,
                  num_splits: int | None = None) -> None:
     """ValueError naming the first argument mla_decode_cutedsl cannot take (shapes, dtypes,
@@ -403,11 +427,11 @@ def mla_decode_cutedsl(
     seq_lens.max()). `early_kv` lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when
     that kernel writes none of them. `head_groups` (swapab; default choose_head_groups) splits
-    each request's heads over that many CTAs per split. `fp8_query` (fp8 cache only; default
-    PDSERVE_MLA_FP8_QUERY, else "split"): "split" = the query as two e4m3 terms (Q_hi + Q_lo,
-    ~1000x below bf16 rounding), "single" = one e4m3 term as vLLM's fp8 MLA path quantizes it
-    (half of S^T's MMAs; the reference with fp8_query="single" mirrors the rounding); swapab
-    core only. `deterministic`: bit-identical results for equal inputs from run to run. The
+    each request's heads over that many CTAs per split. `fp8_query` (fp8 cache only; resolve_fp8_query:
+    default PDSERVE_MLA_FP8_QUERY, else "single" on the swapab core): "single" = the query as
+    one e4m3 term, as vLLM's fp8 MLA path quantizes it (the reference with fp8_query="single"
+    mirrors the rounding; swapab core only), "split" = two e4m3 terms (Q_hi + Q_lo, ~1000x
+    below bf16 rounding; twice S^T's MMAs). `deterministic`: bit-identical results for equal inputs from run to run. The
     swapab core's tile pool (fp8 default where a split has at least POOL_MIN_TILES tiles,
     call_pool) hands a request's last tiles to whichever of its CTAs is free first, so the
     split partials' rounding varies between runs; deterministic turns it off (session 22:
@@ -424,11 +448,7 @@ def mla_decode_cutedsl(
     if num_splits is None and msl is None:
         msl = int(seq_lens.max().item())
     core, num_splits, groups = plan_call(B, H, msl, fp8, core, early_kv, num_splits, head_groups)
-    if fp8_query is None:
-        fp8_query = os.environ.get("PDSERVE_MLA_FP8_QUERY") or "split"
-    q_terms = 1 if check_fp8_query(fp8_query) == "single" and fp8 else 2
-    if q_terms == 1 and core != "swapab":
-        raise ValueError(f"fp8_query='single' needs the swapab core, got core {core!r}")
+    q_terms = 1 if resolve_fp8_query(fp8_query, core, fp8) == "single" else 2
     kscale = 1.0 if kv_scale is None else float(kv_scale)
     dev = q.device
     if out is None:

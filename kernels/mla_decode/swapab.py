@@ -75,8 +75,9 @@ unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale 
     registers each) that is added to S^T with FADDs once retired, while chunk c + 1 runs. All of
     S^T's wgmmas have retired before the softmax (and so before the stage's release). S^T row m is
     token m.
-  * fp8_query="single" (q_terms 1): Q_hi alone (the query rounded to one e4m3 term, as vLLM's fp8
-    MLA path does; Q_lo is not stored), 18 wgmma m64nNk32 per tile in the same 9 promotion
+  * fp8_query="single" (q_terms 1; the launcher's default since session 23, resolve_fp8_query):
+    Q_hi alone (the query rounded to one e4m3 term, as vLLM's fp8 MLA path does; Q_lo is not
+    stored), 18 wgmma m64nNk32 per tile in the same 9 promotion
     chunks, no joint form. H200, session 20: fp8 H=32 B=64 L=128K 0.85 of the copy floor
     against 0.72 with the split (the long cells run at the power cap, see kernel_history.md
     session 19; half the S^T MMAs moves them most); accuracy: docs/kernels.md.
@@ -507,7 +508,7 @@ class MlaDecodeSwapAbKernel:
         # none in 40,000 calls of the shape that had failed (two machines).
         # PDSERVE_MLA_SWAPAB_QK_JOINT=0|1 overrides (A/B runs). Not at h_pad 32: its two 64 x 64
         # chunk accumulators next to O^T spill, and with one the results were wrong (session 10)
-        # fp8 Q terms: 2 = Q_hi + Q_lo (default), 1 = Q_hi alone (fp8_query="single": the
+        # fp8 Q terms: 2 = Q_hi + Q_lo, 1 = Q_hi alone (fp8_query="single": the
         # query rounded to e4m3 as vLLM's fp8 MLA path does; half of S^T's wgmmas)
         if q_terms not in (1, 2) or (q_terms == 1 and not self.kv_fp8):
             raise ValueError(f"core 'swapab': q_terms must be 2, or 1 with an fp8 cache; got "

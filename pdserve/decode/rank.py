@@ -57,18 +57,17 @@ def kda_step_for(backend: str):
     return fused_step_for(OP, kda_decode_problem, backend)
 
 
-def mla_step_for(backend: str, fp8_query: str = "split", deterministic: bool = False):
+def mla_step_for(backend: str, fp8_query: str | None = None, deterministic: bool = False):
     """The MLA decode attention over the paged cache (`pdserve.kernels.mla_decode`) for
-    `backend`, or None. `fp8_query`: the kernel's query with an fp8 latent pool ("split" |
-    "single"); `deterministic`: bit-identical results from run to run (see
-    mla_decode_cutedsl)."""
+    `backend`, or None. `fp8_query`: the kernel's query with an fp8 latent pool ("single" |
+    "split"; None: the kernel's default, "single"); `deterministic`: bit-identical results from
+    run to run (see mla_decode_cutedsl)."""
     from pdserve.kernels.mla_decode import OP, problem_from_tensors
     from pdserve.kernels.mla_decode.reference import check_fp8_query
     step = fused_step_for(OP, problem_from_tensors, backend)
-    check_fp8_query(fp8_query)
-    fixed = {}                          # only what differs from the kernel's defaults
-    if fp8_query != "split":
-        fixed["fp8_query"] = fp8_query
+    fixed = {}                          # only what the caller chose
+    if fp8_query is not None:
+        fixed["fp8_query"] = check_fp8_query(fp8_query)
     if deterministic:
         fixed["deterministic"] = True
     if step is None or not fixed:
@@ -82,7 +81,7 @@ class DecodeRank:
                  seed: int = 0, checkpoint: str | None = None, backend: str = "reference",
                  transfer: TransferConfig = TransferConfig(), device: str = "cpu",
                  generation: int = 0, dtype: str = "float32", cuda_graphs: bool = False,
-                 graph_max_tokens: int = 4096, mla_fp8_query: str = "split",
+                 graph_max_tokens: int = 4096, mla_fp8_query: str | None = None,
                  mla_deterministic: bool = False):
         """`cuda_graphs`: capture the decode step per batch-size bucket (CUDA, TP=1) for
         sequences of up to `graph_max_tokens` tokens; other steps run eagerly (logged once).

@@ -58,10 +58,12 @@ def _run(model, layout, mla_step, graphs: bool):
 
 @pytest.mark.parametrize("latent_dtype,fp8_query", [("bfloat16", "split"),
                                                     ("float8_e4m3fn", "split"),
-                                                    ("float8_e4m3fn", "single")])
+                                                    ("float8_e4m3fn", "single"),
+                                                    ("float8_e4m3fn", None)])
 def test_cutedsl_mla_decode_matches_the_torch_path(latent_dtype, fp8_query):
-    """fp8_query="single" (decode.mla_fp8_query): each call against the reference that rounds
-    the query the same way; end to end against the torch path with the same tolerance."""
+    """fp8_query="single" (decode.mla_fp8_query; None: unset, the kernel's default "single"):
+    each call against the reference that rounds the query the same way; end to end against the
+    torch path with the same tolerance."""
     model = _model()
     layout = StateLayout(latent_dtype=latent_dtype, conv_dtype="bfloat16")
     step = mla_step_for("cutedsl", fp8_query)
@@ -72,7 +74,7 @@ def test_cutedsl_mla_decode_matches_the_torch_path(latent_dtype, fp8_query):
         out = step(*args, **opts)
         torch.cuda.synchronize()
         ref, _ = mla_decode_reference(*args, compute_dtype=torch.float64,
-                                      out_dtype=torch.float64, fp8_query=fp8_query)
+                                      out_dtype=torch.float64, fp8_query=fp8_query or "single")
         errs.append(((out[0].double() - ref).flatten(1).norm(dim=1)
                      / ref.flatten(1).norm(dim=1)).max().item())
         return out

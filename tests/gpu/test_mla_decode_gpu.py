@@ -81,7 +81,7 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None, keys="random"):
 
 def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
     from pdserve.kernels.mla_decode import mla_decode_reference
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call
+    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call, resolve_fp8_query
     q, cache, bt, seq, kv_scale = make_case(lens, H, fp8, page_tokens, keys=keys)
     B = len(lens)
     out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -89,9 +89,13 @@ def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
     o, l = mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, out=out, lse=lse, **kw)
     torch.cuda.synchronize()
     assert o is out and l is lse
+    core = plan_call(B, H, max(lens), fp8, kw.get("core"), kw.get("early_kv", False),
+                     kw.get("num_splits"), kw.get("head_groups"))[0]
+    # the reference rounds the query as this call did (the kernel's default: "single" on the
+    # swapab core over an fp8 cache)
     ref_o, ref_l = mla_decode_reference(q, cache, bt, seq, SCALE, kv_scale,
                                         compute_dtype=torch.float64, out_dtype=torch.float64,
-                                        fp8_query=kw.get("fp8_query") or "split")
+                                        fp8_query=resolve_fp8_query(kw.get("fp8_query"), core, fp8))
     assert not torch.isnan(out).any(), f"NaN in output ({torch.isnan(out).sum()} elements)"
     assert not torch.isnan(lse).any(), "NaN in lse"
     err = (out.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
@@ -100,8 +104,6 @@ def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
     # swapab's fp8 path computes S on the e4m3 wgmma, whose accumulator keeps ~13 mantissa bits
     # between its fp32 promotions every 64 dims (swapab.py): logits of |s| ~ 15 then carry
     # errors of a few 1e-3 (5.4e-3 / 5.9e-3 seen on the H200), the other paths stay < 5e-3
-    core = plan_call(B, H, max(lens), fp8, kw.get("core"), kw.get("early_kv", False),
-                     kw.get("num_splits"), kw.get("head_groups"))[0]
     ltol = 1e-2 if fp8 and core == "swapab" else 5e-3
     assert lerr < ltol, f"lse max abs error {lerr:.3g} (core {core}, tolerance {ltol})"
     return float(err.max()), float(lerr)
@@ -128,8 +130,17 @@ def _b64_lens():
 @pytest.mark.parametrize("case", list(LENS))
 @pytest.mark.parametrize("core", CORES)
 def test_matches_reference(core, case, H, fp8):
+    """Each core at its default query rounding (fp8: "single" on swapab, "split" on the others)."""
     lens = LENS[case] or _b64_lens()
     check(lens, H, fp8, core=core)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("H", [12, 32])
+@pytest.mark.parametrize("case", list(LENS))
+def test_swapab_fp8_split_query(case, H):
+    """fp8_query="split" (the query as Q_hi + Q_lo) on the swapab core, every length case."""
+    check(LENS[case] or _b64_lens(), H, True, core="swapab", fp8_query="split")
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
@@ -271,7 +282,7 @@ def test_swapab_fp8_pair_halves(qhalf, xmerge, num_splits, H, monkeypatch):
     assert (k.q_half, k.xmerge) == (qhalf == "1", xmerge == "1")
     check(CANDIDATE_LENS, H, True, num_splits=num_splits, core="swapab", head_groups=1)
     check([8192 + 17], H, True, num_splits=num_splits, core="swapab", early_kv=True,
-          head_groups=1, fp8_query="single")
+          head_groups=1, fp8_query="split")
     if H == 32:
         check([1, 65, 3000], 24, True, num_splits=num_splits, core="swapab", head_groups=1)
         check([129, 8192 + 17], 32, True, num_splits=num_splits, core="swapab",
@@ -293,10 +304,13 @@ def test_swapab_fp8_qk_joint(consumers, num_splits, joint, monkeypatch):
     monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
     assert kernel_config(True, 16, PAGE, core="swapab").qk_joint == (joint == "1")
     assert not kernel_config(True, 32, PAGE, core="swapab").qk_joint    # h_pad 32: never
-    check(CANDIDATE_LENS, 12, True, num_splits=num_splits, core="swapab", head_groups=1)
-    check([1, 65, 3000], 10, True, num_splits=num_splits, core="swapab", head_groups=1)
+    # (the split query: the single one has no Q_lo to join)
+    check(CANDIDATE_LENS, 12, True, num_splits=num_splits, core="swapab", head_groups=1,
+          fp8_query="split")
+    check([1, 65, 3000], 10, True, num_splits=num_splits, core="swapab", head_groups=1,
+          fp8_query="split")
     check([129, 8192 + 17], 32, True, num_splits=num_splits, core="swapab", early_kv=True,
-          head_groups=2)
+          head_groups=2, fp8_query="split")
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
@@ -417,7 +431,8 @@ def test_swapab_tile_pool(pool_div, num_splits, fp8, monkeypatch):
     check([129, 8192 + 17, 3000], 32, fp8, num_splits=num_splits, core="swapab", head_groups=2)
     cases = [make_case(lens, 32, fp8) for lens in ([100, 5000], [70000, 1, 33000], [8192] * 4)]
     refs = [mla_decode_reference(q, c, bt, seq, SCALE, kv, compute_dtype=torch.float64,
-                                 out_dtype=torch.float64) for q, c, bt, seq, kv in cases]
+                                 out_dtype=torch.float64, fp8_query="single")
+            for q, c, bt, seq, kv in cases]     # (the kernel's default query rounding)
     outs = [(torch.empty(q.shape[0], 32, 512, dtype=torch.bfloat16, device="cuda"),
              torch.empty(q.shape[0], 32, dtype=torch.float32, device="cuda"))
             for q, *_ in cases]
@@ -479,7 +494,7 @@ def test_swapab_every_tile_counted_once(pool_div, num_splits, fp8, monkeypatch):
         torch.cuda.synchronize()
         dl = (lse - one_l).abs().max()
         assert dl < 1e-4, f"LSE moved by {dl:.3g} from the one-split call (H={H})"
-        ref_o, _ = mla_decode_reference(q, cache, bt, seq, SCALE, kv,
+        ref_o, _ = mla_decode_reference(q, cache, bt, seq, SCALE, kv, fp8_query="single",
                                         compute_dtype=torch.float64, out_dtype=torch.float64)
         err = (o.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
         assert err.max() < 1.5e-2, err
@@ -522,7 +537,8 @@ def test_swapab_fp8_two_consumer_ring_repeats(early_kv, deterministic):
     first_o, first_l = out.clone(), lse.clone()
     sub = [0, 37]
     ref_o, ref_l = mla_decode_reference(q[sub], cache, bt[sub], seq[sub], SCALE, 0.05,
-                                        compute_dtype=torch.float32, out_dtype=torch.float32)
+                                        compute_dtype=torch.float32, out_dtype=torch.float32,
+                                        fp8_query="single")
     err = (first_o[sub].float() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
     assert err.max() < 1.5e-2, err
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
