@@ -83,7 +83,7 @@ class DecodeSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graphs: bool = False        # capture the decode step per batch bucket (GPU, TP 1)
     # the MLA kernel's query with an fp8 latent pool (backend cutedsl; unset: "single"):
     # "single" = one e4m3 term as vLLM's fp8 MLA path rounds it, "split" = two e4m3 terms (as
-    # precise as the bf16 query; twice the score MMAs, 8-20 % slower at H=32)
+    # precise as the bf16 query; twice the score MMAs, 7-19 % slower at H=32)
     mla_fp8_query: Literal["single", "split"] | None = None
     # bit-identical MLA outputs from run to run for equal inputs (backend cutedsl): turns off
     # the fp8 kernel's tile pool, which balances a request's last tiles between its CTAs at

@@ -427,11 +427,12 @@ def mla_decode_cutedsl(
     seq_lens.max()). `early_kv` lets the kernel read seq_lens, the block
     table and the cache before the previous kernel in the stream has finished (PDL): only when
     that kernel writes none of them. `head_groups` (swapab; default choose_head_groups) splits
-    each request's heads over that many CTAs per split. `fp8_query` (fp8 cache only; resolve_fp8_query:
-    default PDSERVE_MLA_FP8_QUERY, else "single" on the swapab core): "single" = the query as
-    one e4m3 term, as vLLM's fp8 MLA path quantizes it (the reference with fp8_query="single"
-    mirrors the rounding; swapab core only), "split" = two e4m3 terms (Q_hi + Q_lo, ~1000x
-    below bf16 rounding; twice S^T's MMAs). `deterministic`: bit-identical results for equal inputs from run to run. The
+    each request's heads over that many CTAs per split. `fp8_query` (fp8 cache only;
+    resolve_fp8_query: default PDSERVE_MLA_FP8_QUERY, else "single" on the swapab core):
+    "single" = the query as one e4m3 term, as vLLM's fp8 MLA path quantizes it (the reference
+    with fp8_query="single" mirrors the rounding; swapab core only), "split" = two e4m3 terms
+    (Q_hi + Q_lo, ~1000x below bf16 rounding; twice S^T's MMAs). `deterministic`:
+    bit-identical results for equal inputs from run to run. The
     swapab core's tile pool (fp8 default where a split has at least POOL_MIN_TILES tiles,
     call_pool) hands a request's last tiles to whichever of its CTAs is free first, so the
     split partials' rounding varies between runs; deterministic turns it off (session 22:
