@@ -102,6 +102,11 @@ def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count(", p, 1,  1, 0, 0;") == 36 and ptx.count(", p, 1,  1, 1, 0;") == 32
     assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
     assert ptx.count("setmaxnreg") == 2
+    # the bf16 output rows: one bf16x2 word per 2 x 8 dims x head, paired across lanes by two
+    # shuffles (_store_cols_bf16), no 2-byte stores (half-sector writes)
+    assert ptx.count("cvt.rn.bf16x2.f32") == 512 * h_pad // 128 // 2
+    assert ptx.count("shfl.sync.idx") >= 2 * ptx.count("cvt.rn.bf16x2.f32")
+    assert "st.global.b16" not in ptx and "st.global.u16" not in ptx
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
     assert res["regs"] <= 65536 // 256, res                 # 256 threads must fit at launch

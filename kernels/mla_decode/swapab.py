@@ -255,7 +255,8 @@ for an fp32 partial or 2 for bf16 (output, and the partials since session 8: par
 at h_pad 32 (session 7, fp32 partials), 48 vector stores instead of 128 st.global.b32 +
 128 st.global.b16 (the scalar stores wrote 4 bytes per 32-byte sector: the DIM_PERM rows of 8
 lanes are 16 dims apart). The trace asserts that a column's 16 addresses have unit stride (the
-bf16 path's rows are not contiguous, it keeps scalar stores, which fill whole sectors there).
+bf16 cache's rows are not contiguous: fp32 partials keep scalar stores, which fill whole sectors
+there; its bf16 rows pair dims through two shuffles, _store_cols_bf16).
 H200, session 7 (fp8, early_kv, `ab_base` vs `ab_vec_epilogue` in
 mla_decode_h200_session7_ab.json):
 H=12 B=8 L=32K 56.7 -> 48.4 us, B=64 L=8K 97.7 -> 91.5; H=32 B=1 L=8K 23.6 -> 13.5,
@@ -382,6 +383,15 @@ def _pow2_inv(s, *, loc=None, ip=None) -> Float32:
         T.f32(), [Float32(s).ir_value(loc=loc, ip=ip)],
         "{ .reg .b32 b; mov.b32 b, $1; sub.s32 b, 0x7F000000, b; mov.b32 $0, b; }",
         "=f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _pack_bf16x2(lo, hi, *, loc=None, ip=None) -> Int32:
+    """fp32 lo, hi -> one bf16x2 word (round to nearest even; lo in the low half)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
@@ -541,8 +551,12 @@ class MlaDecodeSwapAbKernel:
         # bf16 at small B x L. H200, session 8, early_kv, us bf16 / fp32 partials
         # (results/mla_decode_h200_partials_session8.json): fp8 H=32 B=1 L=8K 10.3 / 13.0,
         # B=8 L=32K 57.4 / 62.3, B=64 L=8K 106.3 / 110.7, H=12 B=1 L=8K 9.3 / 10.0; bf16 H=12
-        # B=1 L=1K 7.7 / 6.4, H=32 B=1 L=8K 11.2 / 10.8. PDSERVE_MLA_SWAPAB_PARTIAL=bf16|fp32
-        # overrides (A/B runs)
+        # B=1 L=1K 7.7 / 6.4, H=32 B=1 L=8K 11.2 / 10.8. Session 24, bf16 cache with whole-
+        # sector bf16 stores (_store_cols_bf16), fp32 / bf16 partials, two interleaved rounds
+        # (results/mla_decode_h200_bf16_rows_session24.json): B=1 L=8K H=32 9.92-10.01 /
+        # 10.70-10.78, H=12 7.17-7.21 / 8.14-8.18, B=1 L=1K 6.7 / 7.8 (B=1 calls lose with bf16);
+        # B=1 L=32K 18.8-18.9 / 18.1-18.2, B=8 L=8K 28.6-28.7 / 27.4 (those gain ~4 %).
+        # PDSERVE_MLA_SWAPAB_PARTIAL=bf16|fp32 overrides (A/B runs)
         env = env_choice("PDSERVE_MLA_SWAPAB_PARTIAL", ("bf16", "fp32"))
         bf16_part = env == "bf16" if env else self.kv_fp8
         self.partial_dtype = BFloat16 if bf16_part else Float32
@@ -945,14 +959,15 @@ class MlaDecodeSwapAbKernel:
                     t_layout = cute.make_layout((DIM_PERM, hp), stride=(DIM_PERM_STRIDE, D_V))
                 else:
                     t_layout = cute.make_layout((D_V, hp), stride=(1, D_V))
-                # bf16 partials: one bf16 copy of O^T serves the output and the partial
+                # fp8, bf16 partials: one bf16 copy of O^T serves the output and the partial
+                # (the bf16 cache's stores round fp32 O^T themselves: _store_cols_bf16)
                 part = acc_O
-                if cutlass.const_expr(self.partial_dtype is BFloat16):
+                if cutlass.const_expr(self.kv_fp8 and self.partial_dtype is BFloat16):
                     part = self._bf16_copy(acc_O)
                 if num_splits == 1:
                     gOt = cute.make_tensor(mO[b, None, None].iterator, t_layout)
                     rO = part
-                    if cutlass.const_expr(self.partial_dtype is not BFloat16):
+                    if cutlass.const_expr(self.kv_fp8 and self.partial_dtype is not BFloat16):
                         rO = self._bf16_copy(acc_O)
                     self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads, mLse[b, None],
                                       lse_c, tScS_mn, cwarp, lane, cons)
@@ -1272,15 +1287,48 @@ class MlaDecodeSwapAbKernel:
             src_mn = wgmma_c_mn_view(src)
             dst_mn = wgmma_c_mn_view(dst)
             c_mn = wgmma_c_mn_view(tOcO)
-            for c in cutlass.range_constexpr(c0, c1):
-                if c_mn[0, c][1] < heads:             # a column is one head
-                    for r in cutlass.range_constexpr(cute.size(src_mn.shape[0])):
-                        dst_mn[r, c] = src_mn[r, c]
+            if cutlass.const_expr(dst.element_type is BFloat16):
+                self._store_cols_bf16(src_mn, dst_mn, c_mn, heads, lane, c0, c1)
+            else:
+                for c in cutlass.range_constexpr(c0, c1):
+                    if c_mn[0, c][1] < heads:             # a column is one head
+                        for r in cutlass.range_constexpr(cute.size(src_mn.shape[0])):
+                            dst_mn[r, c] = src_mn[r, c]
         if cwarp == 0 and lane < 4:
             for c in cutlass.range_constexpr(c0, c1):
                 col = tScS_mn[0, c][1]
                 if col < heads:
                     lse_row[col] = lse_c[c]
+
+    @cute.jit
+    def _store_cols_bf16(self, src_mn, dst_mn, c_mn, heads, lane, c0: cutlass.Constexpr,
+                         c1: cutlass.Constexpr):
+        """bf16 cache, bf16 rows (the output; the partials with PDSERVE_MLA_SWAPAB_PARTIAL=bf16),
+        fragment columns [c0, c1): src_mn = fp32 O^T [rows, heads] (row r8 + 2 mb = latent dim
+        64 mb + 16 w + 8 r8 + g, lane = 4 g + q). Scalar bf16 stores would write half of a
+        32-byte sector each (a warp's 8 lanes of one head cover 8 consecutive dims), and a
+        partial sector costs the L2 a fill. So each thread packs its dims g and g + 8 of a head
+        into one bf16x2 word, and lane g of the 8 with its q fetches (two shuffles) the words of
+        lanes 2g and 2g + 1 (mod 8) and keeps their low halves (g < 4) or high halves: dims
+        2g and 2g + 1 of the 16-dim block, one 4-byte store; the 8 lanes fill a whole sector."""
+        g = lane // 4
+        q = lane % 4
+        src_a = 4 * ((2 * g) % 8) + q
+        src_b = 4 * ((2 * g + 1) % 8) + q
+        for c in cutlass.range_constexpr(c0, c1):
+            for mb in cutlass.range_constexpr(cute.size(src_mn.shape[0]) // 2):
+                p = _pack_bf16x2(src_mn[2 * mb, c], src_mn[2 * mb + 1, c])
+                a = cute.arch.shuffle_sync(p, src_a)
+                b = cute.arch.shuffle_sync(p, src_b)
+                w = prmt(a, b, 0x5410)
+                if g >= 4:
+                    w = prmt(a, b, 0x7632)
+                if c_mn[0, c][1] < heads:             # a column is one head
+                    # dims from 64 mb + 16 w: the fragment's dim of row 2 mb is that + g
+                    row = dst_mn.iterator + cute.crd2idx((2 * mb, c), dst_mn.layout)
+                    ptr = cute.make_ptr(Int32, row.toint() + 2 * g, cute.AddressSpace.gmem,
+                                        assumed_align=4)
+                    cute.make_tensor(ptr, cute.make_layout(1))[0] = w
 
     @cute.jit
     def _store_cols_vec(self, src, dst, tOcO, heads, c0: cutlass.Constexpr,
