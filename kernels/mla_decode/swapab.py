@@ -1305,12 +1305,14 @@ class MlaDecodeSwapAbKernel:
                          c1: cutlass.Constexpr):
         """bf16 cache, bf16 rows (the output; the partials with PDSERVE_MLA_SWAPAB_PARTIAL=bf16),
         fragment columns [c0, c1): src_mn = fp32 O^T [rows, heads] (row r8 + 2 mb = latent dim
-        64 mb + 16 w + 8 r8 + g, lane = 4 g + q). Scalar bf16 stores would write half of a
-        32-byte sector each (a warp's 8 lanes of one head cover 8 consecutive dims), and a
-        partial sector costs the L2 a fill. So each thread packs its dims g and g + 8 of a head
-        into one bf16x2 word, and lane g of the 8 with its q fetches (two shuffles) the words of
-        lanes 2g and 2g + 1 (mod 8) and keeps their low halves (g < 4) or high halves: dims
-        2g and 2g + 1 of the 16-dim block, one 4-byte store; the 8 lanes fill a whole sector."""
+        64 mb + 16 w + 8 r8 + g, lane = 4 g + q). Scalar bf16 stores wrote half of a 32-byte
+        sector each (a warp's 8 lanes of one head cover 8 consecutive dims). So each thread
+        packs its dims g and g + 8 of a head into one bf16x2 word, and lane g of the 8 with its
+        q fetches (two shuffles) the words of lanes 2g and 2g + 1 (mod 8) and keeps their low
+        halves (g < 4) or high halves: dims 2g and 2g + 1 of the 16-dim block, one 4-byte
+        store; the 8 lanes write 32 contiguous bytes (one sector where rows are 32-byte
+        aligned, as torch allocates them). H200, session 24: 1-2 % faster where the output is
+        the whole epilogue (results/mla_decode_h200_bf16_rows_session24.json)."""
         g = lane // 4
         q = lane % 4
         src_a = 4 * ((2 * g) % 8) + q
@@ -1325,8 +1327,8 @@ class MlaDecodeSwapAbKernel:
                     w = prmt(a, b, 0x7632)
                 if c_mn[0, c][1] < heads:             # a column is one head
                     # dims from 64 mb + 16 w: the fragment's dim of row 2 mb is that + g
-                    row = dst_mn.iterator + cute.crd2idx((2 * mb, c), dst_mn.layout)
-                    ptr = cute.make_ptr(Int32, row.toint() + 2 * g, cute.AddressSpace.gmem,
+                    elem = dst_mn.iterator + cute.crd2idx((2 * mb, c), dst_mn.layout)
+                    ptr = cute.make_ptr(Int32, elem.toint() + 2 * g, cute.AddressSpace.gmem,
                                         assumed_align=4)
                     cute.make_tensor(ptr, cute.make_layout(1))[0] = w
 
