@@ -1256,9 +1256,11 @@ class MlaDecodeSwapAbKernel:
     @cute.jit
     def _store_o_lse(self, src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane, cons):
         """The epilogue's writes of consumer `cons`'s columns of the fragment (_pair_cols): O^T
-        (src: the bf16 output, or the partial in partial_dtype) through its C partition dst, heads
-        < `heads` only (fp8: 16-byte vectors, _store_cols_vec), and the per-head LSE into lse_row
-        (lanes 0-3 of warp 0 hold every column)."""
+        (src: fp8 cache, the bf16 output or the partial already in partial_dtype; bf16 cache,
+        the fp32 fragment, which the bf16 rows' stores round themselves) through its C
+        partition dst, heads < `heads` only (fp8: 16-byte vectors, _store_cols_vec; bf16 rows:
+        _store_cols_bf16), and the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every
+        column)."""
         args = (src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane)
         n_cols = cute.size(lse_c)
         if cutlass.const_expr(self.consumers == 1):
