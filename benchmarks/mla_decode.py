@@ -23,8 +23,9 @@ the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma", and
 mla_decode_h200_<core>.json otherwise, with "_early_kv" appended under --early-kv. --early-kv
 lets the kernel read the cache before the PDL wait (the benchmark's previous kernel writes none
 of it). The swapab core's consumer warpgroups and tile-pool share are the launcher's for each
-cell (cutedsl.call_variant; recorded in each row as consumers and pool_div);
-PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 and PDSERVE_MLA_SWAPAB_POOL=0|2|4|8 override.
+cell (cutedsl.call_variant; recorded in each row as consumers and pool_div), as is its
+latent split (d_split); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2, PDSERVE_MLA_SWAPAB_POOL=0|2|4|8 and
+PDSERVE_MLA_SWAPAB_DSPLIT=1|2 override.
 """
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
                                                     resolve_fp8_query)
     core, splits, head_groups = plan_call(B, H, L, fp8, core, early_kv, splits, head_groups)
     fp8_query = resolve_fp8_query(None, core, fp8)     # the launcher's (PDSERVE_MLA_FP8_QUERY)
-    # the kernel these calls run: the swapab core's consumer warpgroups and tile pool share
-    # (1 / pool_div of each split's tiles; 0: none)
-    k, _ = call_variant(fp8, H // head_groups, PAGE, core, early_kv, head_groups, L, splits)
-    consumers, pool_div = (k.consumers, k.pool_div) if core == "swapab" else (None, 0)
+    # the kernel these calls run: the swapab core's consumer warpgroups, tile pool share
+    # (1 / pool_div of each split's tiles; 0: none) and latent split
+    k, _ = call_variant(fp8, H // head_groups, PAGE, core, early_kv, head_groups, L, splits,
+                        batch=B * head_groups)
+    consumers, pool_div, d_split = ((k.consumers, k.pool_div, k.d_split) if core == "swapab"
+                                    else (None, 0, 1))
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     n_sets = max(1, min(64, -(-ROTATE_BYTES // per_call)))     # disjoint page sets
@@ -94,6 +97,7 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
     torch.cuda.empty_cache()
     return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, early_kv=early_kv,
                 num_splits=splits, head_groups=head_groups, consumers=consumers, pool_div=pool_div,
+                d_split=d_split,
                 fp8_query=fp8_query if fp8 else None,
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,

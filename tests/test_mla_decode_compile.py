@@ -120,6 +120,70 @@ def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
         mc.compile_main(False, 48 - h_pad, page_tokens, core="swapab")
 
 
+@pytest.mark.parametrize("h_pad", [16, 32])
+def test_swapab_bf16_d_split_compiles(h_pad, tmp_path):
+    """d_split 2 (bf16): each CTA runs S^T whole (36 wgmmas) and PV over its 256 latent dims
+    (4 blocks x 4 k-steps), and writes 256 dims of each head's output row (half the packed
+    bf16x2 stores); no spill, the same ring and smem as d_split 1."""
+    fn = mc.compile_main(False, h_pad, 64, core="swapab", dump_dir=str(tmp_path), d_split=2)
+    ptx = fn.artifacts.PTX
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k16.f32.bf16.bf16") == 36 + 4 * 4
+    assert ptx.count(", p, 1,  1, 1, 0;") == 16                 # PV: MN-major A = V^T
+    assert ptx.count("cvt.rn.bf16x2.f32") == 256 * h_pad // 128 // 2
+    assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0, "register spills"
+    k = mc.kernel_config(False, h_pad, 64, core="swapab", d_split=2)
+    one = mc.kernel_config(False, h_pad, 64, core="swapab")
+    assert (k.d_split, k.d_out, one.d_split, one.d_out) == (2, 256, 1, 512)
+    assert (k.stages, k.smem_bytes) == (one.stages, one.smem_bytes)
+    assert mc.compile_main(False, h_pad, 64, core="swapab", d_split=2) is not \
+        mc.compile_main(False, h_pad, 64, core="swapab")
+
+
+def test_swapab_d_split_refusals_and_choice(monkeypatch):
+    """d_split 2 needs the bf16 cache, one consumer and no tile pool (the two CTAs must run the
+    same tiles); call_d_split answers 1 wherever the kernel would refuse, else 2 where the
+    doubled launch takes at most half of the SMs (the cells measured on the H200), unless
+    PDSERVE_MLA_SWAPAB_DSPLIT decides (malformed values named)."""
+    for kw in (dict(kv_fp8=True), dict(consumers=2), dict(d_split=3)):
+        args = dict(kv_fp8=False, h_pad=32, page_tokens=64, core="swapab", d_split=2)
+        args.update(kw)
+        with pytest.raises(ValueError, match="d_split"):
+            mc.kernel_config(**args)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
+    with pytest.raises(ValueError, match="d_split"):
+        mc.kernel_config(False, 32, 64, core="swapab", d_split=2)
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_POOL")
+    # the rule: where the doubled launch takes at most half of the SMs (D_SPLIT_MAX_CTAS = 66)
+    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_DSPLIT", raising=False)
+    assert mc.D_SPLIT_MAX_CTAS == 66
+    assert mc.call_d_split("swapab", False, 1, False, 1, 33) == 2
+    assert mc.call_d_split("swapab", False, 1, False, 1, 34) == 1
+    assert mc.call_d_split("swapab", False, 1, False, None, 8) == 1     # batch unknown
+    want = {(1, 1024, 32): 2, (1, 2048, 32): 2, (1, 4096, 32): 2, (2, 1024, 32): 2,
+            (1, 8192, 32): 1, (2, 2048, 32): 1, (4, 1024, 32): 1, (8, 8192, 32): 1,
+            (1, 1024, 12): 2, (1, 4096, 12): 2, (4, 1024, 12): 2, (1, 8192, 12): 1,
+            (4, 2048, 12): 1}
+    for (B, L, H), d in want.items():
+        for fp8 in (False, True):
+            core, splits, groups = mc.plan_call(B, H, L, fp8, None, True)
+            k, _ = mc.call_variant(fp8, H // groups, 64, core, True, groups, L, splits,
+                                   q_terms=1 if fp8 else 2, batch=B * groups)
+            assert k.d_split == (1 if fp8 else d), (B, L, H, fp8, splits, groups)
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", "2")
+    assert mc.call_d_split("swapab", False, 1, False, 1, 64) == 2
+    assert mc.call_d_split("swapab", True, 1, False, 1, 64) == 1      # fp8
+    assert mc.call_d_split("swapab", False, 2, False, 1, 64) == 1     # two consumers
+    assert mc.call_d_split("swapab", False, 1, True, 1, 64) == 1      # tile pool
+    assert mc.call_d_split("wgmma", False, None, False, 1, 64) == 1
+    k, _ = mc.call_variant(False, 32, 64, "swapab", True, 1, 8192, 64, batch=1)
+    assert k.d_split == 2
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", "1")
+    assert mc.call_d_split("swapab", False, 1, False, 1, 64) == 1
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", "4")
+    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_DSPLIT='4'"):
+        mc.call_d_split("swapab", False, 1, False, 1, 64)
+
+
 def test_swapab_core_refuses_bad_h_pad():
     with pytest.raises(ValueError, match="h_pad"):
         mc.kernel_config(False, 64, 64, core="swapab")

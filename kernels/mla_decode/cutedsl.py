@@ -202,21 +202,23 @@ def _core(core: str | None) -> str:
 
 def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
                   early_kv: bool = False, head_groups: int = 1, consumers: int | None = None,
-                  q_terms: int = 2, deterministic: bool = False):
+                  q_terms: int = 2, deterministic: bool = False, d_split: int = 1):
     """The kernel object (stages, threads, dtypes) behind compile_main's variant. The wgmma core
     always pads the heads to 64 and ignores h_pad; the swapab core uses h_pad (16 / 32, its
     wgmma N). head_groups > 1: swapab only (plan_call). consumers: swapab's consumer
     warpgroups (None: choose_consumers without a shape); the other cores ignore it. q_terms:
     swapab's fp8 query terms (2, or 1 for fp8_query="single"); the other cores take 2 only.
-    deterministic: swapab without the run-time tile pool (the other cores have none)."""
+    deterministic: swapab without the run-time tile pool (the other cores have none). d_split:
+    swapab's CTAs per (split, request) that divide the latent dims of O (call_d_split)."""
     core = _core(core)
     assert head_groups == 1 or core == "swapab", (core, head_groups)
+    assert d_split == 1 or core == "swapab", (core, d_split)
     assert q_terms == 2 or core == "swapab", (core, q_terms)
     if core == "swapab":
         from pdserve.kernels.mla_decode.swapab import MlaDecodeSwapAbKernel
         return MlaDecodeSwapAbKernel(bool(kv_fp8), int(page_tokens), int(h_pad), bool(early_kv),
                                      int(head_groups), consumers, int(q_terms),
-                                     bool(deterministic))
+                                     bool(deterministic), int(d_split))
     if core == "wgmma":
         from pdserve.kernels.mla_decode.wgmma import MlaDecodeWgmmaKernel
         return MlaDecodeWgmmaKernel(bool(kv_fp8), int(page_tokens), bool(early_kv))
@@ -225,27 +227,28 @@ def kernel_config(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None =
 
 def compile_main(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
                  dump_dir: str | None = None, early_kv: bool = False, head_groups: int = 1,
-                 consumers: int | None = None, q_terms: int = 2, deterministic: bool = False):
+                 consumers: int | None = None, q_terms: int = 2, deterministic: bool = False,
+                 d_split: int = 1):
     """Compiled split-KV attention kernel for one variant (cached for the process). With
     `dump_dir` the PTX and cubin are kept there and exposed as `.artifacts.PTX` / `.CUBIN` (the
     cache is bypassed)."""
     if dump_dir is not None:
         k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
-                          q_terms, deterministic)
+                          q_terms, deterministic, d_split)
         return cute.compile(k, *_fake_args_main(k),
                             options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     return main_variant(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
-                        q_terms, deterministic)[1]
+                        q_terms, deterministic, d_split)[1]
 
 
 def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = None,
                  early_kv: bool = False, head_groups: int = 1, consumers: int | None = None,
-                 q_terms: int = 2, deterministic: bool = False):
+                 q_terms: int = 2, deterministic: bool = False, d_split: int = 1):
     """(kernel object, compiled kernel) of compile_main's variant, from the process cache: the
     launcher reads the object's properties (the partials' dtype) from the variant it runs."""
     core = _core(core)
     k = kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
-                      q_terms, deterministic)
+                      q_terms, deterministic, d_split)
     if core == "wgmma":
         key = ("main", core, bool(kv_fp8), int(page_tokens), bool(early_kv))
     elif core == "swapab":
@@ -257,7 +260,7 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
         key = ("main", core, bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv),
                int(head_groups), k.consumers, k.pv_group, k.pv_in_flight,
                k.partial_dtype.__name__, k.qk_joint, k.lazy_max, k.q_terms, k.q_half, k.xmerge,
-               k.pool_div)
+               k.pool_div, k.d_split)
     else:
         key = ("main", bool(kv_fp8), int(h_pad), int(page_tokens), bool(early_kv))
     if key not in _COMPILED:
@@ -267,13 +270,45 @@ def main_variant(kv_fp8: bool, h_pad: int, page_tokens: int, core: str | None = 
 
 def call_variant(kv_fp8: bool, heads: int, page_tokens: int, core: str, early_kv: bool,
                  head_groups: int, max_seq_len: int | None, num_splits: int, q_terms: int = 2,
-                 deterministic: bool = False):
+                 deterministic: bool = False, batch: int | None = None):
     """main_variant for one planned call (plan_call's core, splits and head groups; `heads` per
-    head group): the swapab core's consumers (call_consumers) and tile pool (call_pool) for
-    this shape."""
-    return main_variant(kv_fp8, h_pad_for(heads), page_tokens, core, early_kv, head_groups,
-                        call_consumers(core, kv_fp8, max_seq_len, num_splits), q_terms,
-                        deterministic or not call_pool(max_seq_len, num_splits))
+    head group; `batch` = the B * head_groups requests the launch sees, None if unknown): the
+    swapab core's consumers (call_consumers), tile pool (call_pool) and latent split
+    (call_d_split) for this shape."""
+    consumers = call_consumers(core, kv_fp8, max_seq_len, num_splits)
+    det = deterministic or not call_pool(max_seq_len, num_splits)
+    h_pad = h_pad_for(heads)
+    # (the kernel object decides whether it has a pool: bf16 kernels have none by default)
+    pool = getattr(kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups,
+                                 consumers, q_terms, det), "pool", False)
+    return main_variant(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
+                        q_terms, det, call_d_split(core, kv_fp8, consumers, pool, batch,
+                                                   num_splits))
+
+
+# call_d_split: latent halves where the doubled launch fills at most this many SMs
+D_SPLIT_MAX_CTAS = NUM_SMS_H200 // 2
+
+
+def call_d_split(core: str, kv_fp8: bool, consumers: int | None, pool: bool,
+                 batch: int | None, num_splits: int) -> int:
+    """CTAs per (split, request) that divide O's 512 latent dims among them (swapab, bf16 cache,
+    one consumer, no tile pool; 1 otherwise): PDSERVE_MLA_SWAPAB_DSPLIT=1|2 if set (A/B runs),
+    else 2 where the launch's `batch` x `num_splits` CTAs, doubled, take at most half of the
+    SMs (D_SPLIT_MAX_CTAS), else 1. Each half runs the split's whole S^T and softmax and half
+    of PV, so a CTA's chain is shorter by a quarter of its MMAs; the second CTA loads the same
+    tiles again. H200, session 25 (results/mla_decode_h200_d_split_session25.json, three
+    interleaved rounds, us d_split 1 / 2; CTAs before doubling; machine ...4050433): H=32 B=1
+    L=1K (16) 6.72 / 5.98, L=2K (32) 7.55 / 6.43, L=4K (32) 8.91 / 7.98, B=2 L=1K (32) 7.07 /
+    6.15; H=12 B=1 L=1K (8) 6.45 / 5.80, L=4K (32) 6.76 / 6.05, B=4 L=1K (32) 6.85 / 6.10; it
+    loses from 64 CTAs on: H=32 B=2 L=2K 7.88 / 8.33, B=4 L=1K 7.55 / 8.2, and on ...4029851
+    B=1 L=8K 10.17-10.28 / 10.99-11.16, H=12 7.40-7.44 / 9.36-9.56."""
+    if core != "swapab" or kv_fp8 or consumers != 1 or pool:
+        return 1
+    env = env_choice("PDSERVE_MLA_SWAPAB_DSPLIT", ("1", "2"))
+    if env:
+        return int(env)
+    return 2 if batch is not None and 2 * batch * num_splits <= D_SPLIT_MAX_CTAS else 1
 
 
 
@@ -460,7 +495,7 @@ def mla_decode_cutedsl(
     # outputs and the partials; the combine sees [B, H]
     Bv, Hv = B * groups, H // groups
     kernel, main = call_variant(fp8, Hv, page_tokens, core, early_kv, groups, msl, num_splits,
-                                q_terms, deterministic)
+                                q_terms, deterministic, Bv)
     pdt = kernel.partial_dtype            # split partials: bf16 (swapab, fp8 cache) or fp32
     if num_splits > 1:
         o_part = torch.empty(num_splits, B, H, D_V, device=dev,
@@ -480,7 +515,8 @@ def mla_decode_cutedsl(
          Int32(Bv), Int32(Hv), Int32(num_pages), Int32(block_table.shape[1]), Int32(num_splits),
          Float32(softmax_scale * kscale * LOG2_E), Float32(kscale), stream)
     if num_splits > 1:
-        comb = compile_combine(choose_combine(num_splits, Bv * num_splits, pdt is Float32), pdt)
+        main_ctas = Bv * num_splits * getattr(kernel, "d_split", 1)
+        comb = compile_combine(choose_combine(num_splits, main_ctas, pdt is Float32), pdt)
         comb(P(pdt, o_part), P(Float32, lse_part), P(BFloat16, out), P(Float32, lse),
              Int32(B), Int32(H), Int32(num_splits), stream)
     return out, lse

@@ -282,6 +282,18 @@ head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outp
 partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
 b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
 instead of one of 32 (H200: fp8 B=1 L=8K 23.1 vs 29.4 us; bf16 B=64 L=1K 28.7 vs 37.5).
+
+Latent halves (`d_split` = 2; bf16 cache, one consumer, no tile pool; cutedsl.call_d_split:
+where the doubled launch takes at most half of the SMs): grid z = 2 CTAs per (split, request),
+each running the split's tiles whole -- the same TMAs, S^T, softmax and (bit for bit) the same
+maxima, sums and LSE -- but PV and the epilogue only over its 256 latent dims: V^T is the
+stage's column blocks 4 dpart .. 4 dpart + 3 (whole 64-dim swizzle atoms, so the view only
+moves its base), O^T is 256 x h_pad (64 / 32 registers), and the CTA writes dims
+[256 dpart, +256) of each head's output or partial row; the LSEs come from dpart 0 alone
+(dpart 1 passes warps 4-7 to _store_o_lse; both write an empty split's -inf). A CTA's chain
+loses 16 of its 68 wgmmas per tile and half of its stores, for a second load of every tile (L2
+mostly) and twice the CTAs; small launches gain 10-15 % (cutedsl.call_d_split's figures),
+launches of 64 CTAs or more lose.
 """
 from __future__ import annotations
 
@@ -417,7 +429,7 @@ class MlaDecodeSwapAbKernel:
 
     def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
                  head_groups: int = 1, consumers: int | None = None, q_terms: int = 2,
-                 deterministic: bool = False):
+                 deterministic: bool = False, d_split: int = 1):
         if h_pad not in (16, 32):
             raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
         if page_tokens % TILE_N != 0:
@@ -501,6 +513,15 @@ class MlaDecodeSwapAbKernel:
                          else 4 if self.kv_fp8 else 0)
         self.pool = self.pool_div > 0
         assert self.merge_bytes <= self.stages * per_stage
+        # d_split: CTAs per (split, request) that each run its tiles and write 512 / d_split
+        # latent dims of O (the module docstring's "Latent halves"); bf16, one consumer and no
+        # pool only (the halves must see the same tiles)
+        if d_split not in (1, 2) or (d_split == 2 and (self.kv_fp8 or consumers != 1
+                                                        or self.pool)):
+            raise ValueError(f"core 'swapab': d_split must be 1, or 2 with a bf16 cache, one "
+                             f"consumer and no tile pool; got {d_split}")
+        self.d_split = d_split
+        self.d_out = D_V // d_split                    # O^T rows (latent dims) of one CTA
         # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
         # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
         # while the previous is added); False = one chain of 36 wgmmas into S^T. The fp8 wgmma
@@ -627,8 +648,8 @@ class MlaDecodeSwapAbKernel:
             sK_layout = cute.tile_to_shape(atom_k, (TILE_N, D_QK, self.stages), (0, 1, 2))
         # V^T = the first 512 columns of one K stage, as the MN-major A operand [512, 64]: the
         # same bytes (8-token x 64-column swizzle atoms; token blocks first, then columns), the
-        # view wgmma.py uses for its MN-major B operand (bf16 only)
-        sV_layout = cute.tile_to_shape(atom_mn, (D_V, TILE_N), (1, 0))
+        # view wgmma.py uses for its MN-major B operand (bf16 only; d_split 2: 256 of them)
+        sV_layout = cute.tile_to_shape(atom_mn, (self.d_out, TILE_N), (1, 0))
         # P^T [hp heads, 64 tokens], K-major: one 128-byte swizzle atom row per head
         sP_layout = cute.tile_to_shape(atom_k, (hp, TILE_N), (0, 1))
         tma_atom, mKV_tma = cpasync.make_tiled_tma_atom(
@@ -664,8 +685,8 @@ class MlaDecodeSwapAbKernel:
             qk_mma, pv_mma, tma_atom, mKV_tma, mQ, mBT, mSeq, mO, mLse, mOp, mLsep, mCnt,
             num_splits, scale_log2, out_scale, sQ_layout, sK_layout, sV_layout, sP_layout,
             copy_q, SharedStorage,
-        ).launch(grid=(num_splits, batch, 1), block=(self.num_threads, 1, 1), stream=stream,
-                 min_blocks_per_mp=1, use_pdl=True)
+        ).launch(grid=(num_splits, batch, self.d_split), block=(self.num_threads, 1, 1),
+                 stream=stream, min_blocks_per_mp=1, use_pdl=True)
 
     # ------------------------------------------------------------------------------------------
     @cute.kernel
@@ -681,7 +702,7 @@ class MlaDecodeSwapAbKernel:
     ):
         hp = self.h_pad
         tidx, _, _ = cute.arch.thread_idx()
-        split, b, _ = cute.arch.block_idx()
+        split, b, dpart = cute.arch.block_idx()   # dpart: this CTA's latent dims (d_split)
         breq = b                              # this view request's row of seq_lens / block table
         if cutlass.const_expr(self.head_groups > 1):
             breq = b // self.head_groups
@@ -846,7 +867,7 @@ class MlaDecodeSwapAbKernel:
                     tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sK))
                     tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQ))
                 acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_N, hp)))
-                acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((D_V, hp)))
+                acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.d_out, hp)))
                 acc_O.fill(0.0)
 
                 # (token, head) of each S^T element
@@ -896,8 +917,8 @@ class MlaDecodeSwapAbKernel:
                     # c stages in and moves 2 a tile (the other consumer's stage in between)
                     consumer.advance(cons)
                 ctx = SimpleNamespace(
-                    seqlen=seqlen, cons=cons, sK=sK, sV_layout=sV_layout, wtid=wtid, bar=bar,
-                    cwarp=cwarp, lane=lane, qk_mma=qk_mma, qkj_mma=qkj_mma, pv_mma=pv_mma,
+                    seqlen=seqlen, cons=cons, dpart=dpart, sK=sK, sV_layout=sV_layout, wtid=wtid,
+                    bar=bar, cwarp=cwarp, lane=lane, qk_mma=qk_mma, qkj_mma=qkj_mma, pv_mma=pv_mma,
                     thr_qk=thr_qk, thr_pv=thr_pv, tSrK=tSrK, tSrQ=tSrQ, acc_S=acc_S, acc_O=acc_O,
                     acc_S_mn=acc_S_mn, acc_O_mn=acc_O_mn, rS=rS, rS_mn=rS_mn, rP=rP,
                     tScS_mn=tScS_mn, tOrP=tOrP, tSsP=tSsP, sMax=sMax, sP_all=sP_all,
@@ -952,29 +973,34 @@ class MlaDecodeSwapAbKernel:
                     col = Int32(0)            # (assigned in the dynamic ifs below)
 
                 # O^T [d, h] -> out[b, h, d]: the output rows seen transposed
-                tOcO = thr_pv.partition_C(cute.make_identity_tensor((D_V, hp)))
+                tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.d_out, hp)))
                 if cutlass.const_expr(self.kv_fp8):
                     # fp8: O^T row m = 64 mb + 16 w + 8 r8 + g holds latent dim
                     # 128 w + 16 g + 2 mb + r8 (DIM_PERM, _fp8_v_addresses)
                     t_layout = cute.make_layout((DIM_PERM, hp), stride=(DIM_PERM_STRIDE, D_V))
                 else:
-                    t_layout = cute.make_layout((D_V, hp), stride=(1, D_V))
+                    t_layout = cute.make_layout((self.d_out, hp), stride=(1, D_V))
                 # fp8, bf16 partials: one bf16 copy of O^T serves the output and the partial
                 # (the bf16 cache's stores round fp32 O^T themselves: _store_cols_bf16)
                 part = acc_O
                 if cutlass.const_expr(self.kv_fp8 and self.partial_dtype is BFloat16):
                     part = self._bf16_copy(acc_O)
+                # d_split: the first latent dim this CTA writes; the LSEs come from dpart 0
+                # alone (_store_o_lse writes them from warp 0: dpart 1 passes warps 4-7)
+                d0, owarp = 0, cwarp
+                if cutlass.const_expr(self.d_split > 1):
+                    d0, owarp = dpart * self.d_out, cwarp + dpart * N_WARPS
                 if num_splits == 1:
-                    gOt = cute.make_tensor(mO[b, None, None].iterator, t_layout)
+                    gOt = cute.make_tensor(mO[b, None, None].iterator + d0, t_layout)
                     rO = part
                     if cutlass.const_expr(self.kv_fp8 and self.partial_dtype is not BFloat16):
                         rO = self._bf16_copy(acc_O)
                     self._store_o_lse(rO, thr_pv.partition_C(gOt), tOcO, heads, mLse[b, None],
-                                      lse_c, tScS_mn, cwarp, lane, cons)
+                                      lse_c, tScS_mn, owarp, lane, cons)
                 else:
-                    gOpt = cute.make_tensor(mOp[split, b, None, None].iterator, t_layout)
+                    gOpt = cute.make_tensor(mOp[split, b, None, None].iterator + d0, t_layout)
                     self._store_o_lse(part, thr_pv.partition_C(gOpt), tOcO, heads,
-                                      mLsep[split, b, None], lse_c, tScS_mn, cwarp, lane, cons)
+                                      mLsep[split, b, None], lse_c, tScS_mn, owarp, lane, cons)
 
     @cute.jit
     def _tile(self, ctx, h, t, pos):
@@ -1099,8 +1125,12 @@ class MlaDecodeSwapAbKernel:
                 self._fp8_pv(pv_mma, thr_pv, acc_O_grp, tOrP, v_addr, v_tok, soff,
                              TILE_N, h, vw_first, False)
         else:
-            sV = cute.make_tensor(sK[None, None, kstage].iterator, sV_layout.outer)
-            tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sV))    # (MMA, 8, 4)
+            # (d_split: this CTA's latent dims, whole 64-dim column blocks of the tile further)
+            sV_base = sK[None, None, kstage].iterator
+            if cutlass.const_expr(self.d_split > 1):
+                sV_base = sV_base + ctx.dpart * self.d_out * TILE_N
+            sV = cute.make_tensor(sV_base, sV_layout.outer)
+            tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sV))    # (MMA, 8 / d_split, 4)
             warpgroup.fence()
             pv_mma.set(warpgroup.Field.ACCUMULATE, True)
             cute.gemm(pv_mma, acc_O, tOrV, tOrP, acc_O)
@@ -1259,8 +1289,8 @@ class MlaDecodeSwapAbKernel:
         (src: fp8 cache, the bf16 output or the partial already in partial_dtype; bf16 cache,
         the fp32 fragment, which the bf16 rows' stores round themselves) through its C
         partition dst, heads < `heads` only (fp8: 16-byte vectors, _store_cols_vec; bf16 rows:
-        _store_cols_bf16), and the per-head LSE into lse_row (lanes 0-3 of warp 0 hold every
-        column)."""
+        _store_cols_bf16), and the per-head LSE into lse_row (lanes 0-3 of warp cwarp 0 hold
+        every column; a CTA that writes no LSEs passes cwarp >= N_WARPS)."""
         args = (src, dst, tOcO, heads, lse_row, lse_c, tScS_mn, cwarp, lane)
         n_cols = cute.size(lse_c)
         if cutlass.const_expr(self.consumers == 1):

@@ -174,6 +174,27 @@ def test_swapab_head_groups(lens, num_splits, H, fp8):
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("H", [32, 12, 20])
+@pytest.mark.parametrize("lens,num_splits", [([1], None), ([63], None), ([8192 + 17], None),
+                                             ([8192 + 17], 1), ([8192 + 17], 3),
+                                             ([1, 64, 65, 129, 3000, 20000 + 33], None),
+                                             ([1, 64, 65, 129, 3000, 20000 + 33], 64)])
+@pytest.mark.parametrize("d_split", ["2", "1"])
+def test_swapab_bf16_d_split(d_split, lens, num_splits, H, monkeypatch):
+    """bf16 swapab with O's latent dims divided between 2 CTAs per (split, request), each
+    running the split's tiles and writing its 256 dims (d_split 1: the whole row): one split
+    (the output rows), forced and planned splits with empty ones, partial last tiles, head
+    groups (H=32 / 20 at short contexts), H=12's h_pad 16; the launch ran the asked variant."""
+    from pdserve.kernels.mla_decode.cutedsl import call_variant, plan_call
+    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", d_split)
+    check(lens, H, False, num_splits=num_splits, core="swapab")
+    core, splits, groups = plan_call(len(lens), H, max(lens), False, "swapab", False, num_splits)
+    k, _ = call_variant(False, H // groups, PAGE, core, False, groups, max(lens), splits,
+                        batch=len(lens) * groups)
+    assert k.d_split == int(d_split)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("H", [32, 12, 20])
 @pytest.mark.parametrize("lens,num_splits", [
     ([1], None), ([8192 + 17], None), ([131072], None), ([8192 + 17], 3), ([100, 70000], 300),
     ([1, 2, 63, 64, 65, 129, 4097, 40000], None), ("B64", None)])
