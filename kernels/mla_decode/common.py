@@ -176,3 +176,10 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
     if value and value not in choices:
         raise ValueError(f"{name}={value!r}: must be {' or '.join(choices)}")
     return value
+
+
+def swapab_pool_div(kv_fp8: bool, deterministic: bool) -> int:
+    """The swapab kernel's tile pool: 1 / pool_div of each split's tiles pooled, 0 = none
+    (MlaDecodeSwapAbKernel.pool_div; the launcher asks it too, without building the kernel)."""
+    pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "2", "4", "8"))
+    return 0 if deterministic else int(pool) if pool else 4 if kv_fp8 else 0

@@ -87,7 +87,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from pdserve.kernels.mla_decode.combine import CombineKernel, choose_combine, compile_combine
-from pdserve.kernels.mla_decode.common import D_QK, D_V, LOG2_E, NUM_SMS_H200, TILE_N, env_choice
+from pdserve.kernels.mla_decode.common import (D_QK, D_V, LOG2_E, NUM_SMS_H200, TILE_N, env_choice,
+                                               swapab_pool_div)
 from pdserve.kernels.mla_decode.mma import MlaDecodeKernel
 from pdserve.kernels.mla_decode.reference import check_fp8_query
 
@@ -277,13 +278,10 @@ def call_variant(kv_fp8: bool, heads: int, page_tokens: int, core: str, early_kv
     (call_d_split) for this shape."""
     consumers = call_consumers(core, kv_fp8, max_seq_len, num_splits)
     det = deterministic or not call_pool(max_seq_len, num_splits)
-    h_pad = h_pad_for(heads)
-    # (the kernel object decides whether it has a pool: bf16 kernels have none by default)
-    pool = getattr(kernel_config(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups,
-                                 consumers, q_terms, det), "pool", False)
-    return main_variant(kv_fp8, h_pad, page_tokens, core, early_kv, head_groups, consumers,
-                        q_terms, det, call_d_split(core, kv_fp8, consumers, pool, batch,
-                                                   num_splits))
+    pool = core == "swapab" and swapab_pool_div(kv_fp8, det) > 0    # bf16: none by default
+    return main_variant(kv_fp8, h_pad_for(heads), page_tokens, core, early_kv, head_groups,
+                        consumers, q_terms, det,
+                        call_d_split(core, kv_fp8, consumers, pool, batch, num_splits))
 
 
 # call_d_split: latent halves where the doubled launch fills at most this many SMs

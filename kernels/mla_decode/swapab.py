@@ -312,6 +312,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
                                                cvt_e4m3x2_f16x2, env_choice, lds_u32, prmt,
                                                query_tensors, result_tensors, split_tile_range,
+                                               swapab_pool_div,
                                                tma_load_tile, tma_produce_tiles, tma_tile_views,
                                                wgmma_c_mn_view, write_empty_split)
 
@@ -508,9 +509,7 @@ class MlaDecodeSwapAbKernel:
         # single-consumer build spills 8 B with the pool). PDSERVE_MLA_SWAPAB_POOL=0|2|4|8
         # overrides. Off with `deterministic`: which CTA takes a pool tile varies from run to
         # run, and with it the rounding of the split partials
-        pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "2", "4", "8"))
-        self.pool_div = (0 if deterministic else int(pool) if pool
-                         else 4 if self.kv_fp8 else 0)
+        self.pool_div = swapab_pool_div(self.kv_fp8, deterministic)
         self.pool = self.pool_div > 0
         assert self.merge_bytes <= self.stages * per_stage
         # d_split: CTAs per (split, request) that each run its tiles and write 512 / d_split
