@@ -9,7 +9,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from pdserve.kernels.mla_decode.common import D_V, LN_2, LOG2_E, NUM_SMS_H200, result_tensors
+from pdserve.kernels.mla_decode.common import (D_V, LN_2, LOG2_E, NUM_SMS_H200, result_tensors,
+                                               softmax_norm)
 
 _COMPILED: dict = {}
 
@@ -117,7 +118,7 @@ class CombineKernel:
         # weights (0 for the empty splits) and their block sum
         den = Float32(0.0)
         for s in cutlass.range(tidx, num_splits, self.num_threads, unroll=1):
-            w_s = cute.math.exp2((sW[s] - m) * LOG2_E, fastmath=False)
+            w_s = cute.math.exp2((sW[s] - m) * LOG2_E, fastmath=True)
             sW[s] = w_s
             den = den + w_s
         for off in cutlass.range_constexpr(5):
@@ -148,12 +149,12 @@ class CombineKernel:
         if grp == 0:
             for g in cutlass.range_constexpr(self.groups - 1):
                 acc.store(acc.load() + cute.local_tile(sAcc[g, None], (4,), (col,)).load())
-            inv = Float32(1.0) / den
+            inv, lg = softmax_norm(den, Float32(1.0))
             gO = cute.local_tile(mO[b, h, None], (4,), (gcol,))
             gO.store((acc.load() * inv).to(BFloat16))
             if tidx == 0:
                 if chunk == 0:
-                    mLse[b, h] = m + cute.math.log2(den, fastmath=False) * LN_2
+                    mLse[b, h] = m + lg * LN_2
 
 
 # combine shapes (column chunks, groups): few splits read little per (request, head); many splits

@@ -169,6 +169,15 @@ def lds_u32(addr: Int32, n: int):
     return dst
 
 
+def softmax_norm(total: Float32, out_scale) -> tuple[Float32, Float32]:
+    """(out_scale / total, log2 total) for a softmax sum total >= 1 (it holds the maximum's own
+    term), from the MUFU approximations rcp.approx (~1 ulp) and lg2.approx (~2^-22 absolute):
+    the IEEE division and the accurate log2 cost ~25 dependent instructions a column, which the
+    epilogue's single warp a scheduler cannot hide (H200, session 26: B=1 L=8K bf16 H=32
+    10.0-10.1 -> 9.4-9.6 us, results/mla_decode_h200_fastnorm_session26.json)."""
+    return out_scale * cute.arch.rcp_approx(total), cute.math.log2(total, fastmath=True)
+
+
 def env_choice(name: str, choices: tuple[str, ...]) -> str:
     """The A/B switch `name` from the environment: "" when unset, else one of `choices`; any other
     value is refused with a ValueError naming the variable."""

@@ -32,7 +32,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from pdserve.kernels.mla_decode.common import (
     D_QK, D_V, LN_2, SMEM_2CTA, SMEM_LIMIT, TILE_N, cvt_e4m3x2_f16x2, lds_u32, prmt,
-    query_tensors, result_tensors, split_tile_range, swizzled_atom, write_empty_split)
+    query_tensors, result_tensors, softmax_norm, split_tile_range, swizzled_atom,
+    write_empty_split)
 
 
 class MlaDecodeKernel:
@@ -511,8 +512,9 @@ class MlaDecodeKernel:
                 total = Float32(0.0)
                 for w in cutlass.range_constexpr(self.nw):
                     total = total + sSum[row, w]
-                acc_O_mn[r, None] = acc_O_mn[r, None].load() * (out_scale / total)
-                lse_r[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=False)) * LN_2
+                inv, lg = softmax_norm(total, out_scale)
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+                lse_r[r] = (row_max[r] * scale_log2 + lg) * LN_2
 
             cO = cute.make_identity_tensor((hp, D_V))
             tOcO = thr_mma_o.partition_C(cO)

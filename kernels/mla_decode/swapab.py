@@ -311,8 +311,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
                                                cvt_e4m3x2_f16x2, env_choice, lds_u32, prmt,
-                                               query_tensors, result_tensors, split_tile_range,
-                                               swapab_pool_div,
+                                               query_tensors, result_tensors, softmax_norm,
+                                               split_tile_range, swapab_pool_div,
                                                tma_load_tile, tma_produce_tiles, tma_tile_views,
                                                wgmma_c_mn_view, write_empty_split)
 
@@ -963,9 +963,9 @@ class MlaDecodeSwapAbKernel:
                         total = sSum[0, col]
                         for w in cutlass.range_constexpr(1, N_WARPS):
                             total = total + sSum[w, col]
-                        acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / total)
-                        lse_c[c] = (col_max[c] * scale_s
-                                    + cute.math.log2(total, fastmath=False)) * LN_2
+                        inv, lg = softmax_norm(total, out_scale)
+                        acc_O_mn[None, c] = acc_O_mn[None, c].load() * inv
+                        lse_c[c] = (col_max[c] * scale_s + lg) * LN_2
                 else:
                     self._merge_consumers(cons, sK.iterator.toint(), acc_O_mn, col_max, tScS_mn,
                                           sSum, lse_c, wtid, cwarp, lane, scale_s, out_scale)
@@ -1481,8 +1481,9 @@ class MlaDecodeSwapAbKernel:
             lsum = tot[c] * f0 + l1 * f1
             for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * f0 + sO[r, c - c0, wtid, k] * f1
-            acc_O_mn[None, c] = acc_O_mn[None, c].load() * (out_scale / lsum)
-            lse_c[c] = (m * scale_s + cute.math.log2(lsum, fastmath=False)) * LN_2
+            inv, lg = softmax_norm(lsum, out_scale)
+            acc_O_mn[None, c] = acc_O_mn[None, c].load() * inv
+            lse_c[c] = (m * scale_s + lg) * LN_2
 
     # ------------------------------------------------------------------------------------------
     # fp8 path: register A operands from the raw fp8 tile

@@ -63,7 +63,8 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
-                                               query_tensors, result_tensors, split_tile_range,
+                                               query_tensors, result_tensors, softmax_norm,
+                                               split_tile_range,
                                                tma_produce_tiles, wgmma_c_mn_view,
                                                write_empty_split)
 
@@ -363,9 +364,9 @@ class MlaDecodeWgmmaKernel:
                 lse_r = cute.make_rmem_tensor((n_rows,), Float32)
                 for r in cutlass.range_constexpr(n_rows):
                     total = self._quad_sum(row_sum[r])
-                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * (out_scale / total)
-                    lse_r[r] = (row_max[r] * scale_log2
-                                + cute.math.log2(total, fastmath=False)) * LN_2
+                    inv, lg = softmax_norm(total, out_scale)
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+                    lse_r[r] = (row_max[r] * scale_log2 + lg) * LN_2
 
                 tOcO = thr_pv.partition_C(cute.make_identity_tensor((M, WG_COLS)))
                 if num_splits == 1:
