@@ -17,6 +17,7 @@ is one (config.json + *.safetensors), else the preset's seeded weights exported 
 """
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Literal, get_args, get_type_hints
@@ -387,6 +388,18 @@ def _allowed(field: str) -> str:
     return f" (one of: {', '.join(map(str, args))})" if args else ""
 
 
+def _fp8_query_text(mode: str | None) -> str:
+    """decode.mla_fp8_query in words; unset, the kernel's choice (PDSERVE_MLA_FP8_QUERY, else
+    "single"), read from this process's environment, which the rank processes may not share."""
+    terms = {"split": "two e4m3 terms", "single": "single e4m3 term"}
+    if mode is not None:
+        return terms[mode]
+    env = os.environ.get("PDSERVE_MLA_FP8_QUERY", "")
+    if env:
+        return f"{terms.get(env, repr(env))} from PDSERVE_MLA_FP8_QUERY in this process"
+    return "single e4m3 term, the kernel's default"
+
+
 def describe(cfg: ServeConfig, model: ModelConfig) -> str:
     """The topology and per-rank state capacity, for `pdserve check`."""
     from pdserve.state.manifest import RegionSizes
@@ -399,8 +412,8 @@ def describe(cfg: ServeConfig, model: ModelConfig) -> str:
     else:
         pools = [("prefill", cfg.prefill, f", engine {cfg.prefill.engine}"),
                  ("decode", cfg.decode, f", DCP {cfg.decode.dcp}, backend {cfg.decode.backend}"
-                  + ((" (MLA fp8 query: two e4m3 terms)" if cfg.decode.mla_fp8_query == "split"
-                      else " (MLA fp8 query: single e4m3 term)") if mla_fp8_pool(cfg) else "")
+                  + (f" (MLA fp8 query: {_fp8_query_text(cfg.decode.mla_fp8_query)})"
+                     if mla_fp8_pool(cfg) else "")
                   + (", deterministic MLA" if cfg.decode.mla_deterministic else "")
                   + f", max batch {cfg.decode.max_batch}")]
     for role, sec, extra in pools:
