@@ -63,7 +63,7 @@ class RankEngine:
         ranks in KDA slot order (rank 0's ids, `table.kda_slot`): the fused KDA kernel's CTAs,
         one per row and head in row order, then walk each layer's state pool in address order
         (H200, H=12 B=64: 27.5-27.8 us per layer against 27.8-28.2 with the same slots
-        shuffled, results/kda_decode_h200_slots_session17.json). Every rank gets the same order,
+        shuffled; docs/kernels.md, "What was tried"). Every rank gets the same order,
         so rows line up across ranks whatever ids the other ranks hold."""
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].table.kda_slot)
         rows = [seqs[i] for i in order]
