@@ -1,1 +1,1 @@
-"""pdserve.cluster — see DESIGN.md."""
+"""pdserve.cluster — see docs/design.md §7."""

@@ -1,4 +1,4 @@
-"""Every package folder is listed in pyproject (DESIGN.md §1 maps folders to subpackages)."""
+"""Every package folder is listed in pyproject (docs/design.md §1 maps folders to subpackages)."""
 import tomllib
 from pathlib import Path
 

@@ -1,1 +1,1 @@
-"""pdserve.transfer — see DESIGN.md."""
+"""pdserve.transfer — see docs/design.md §4."""

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over any generation backend (DESIGN.md §1, §2).
+"""OpenAI-compatible HTTP API over any generation backend (docs/design.md §1, §2).
 
 `backend` is the small async protocol the HTTP layer talks to (the Ray router implements it for
 disaggregated serving, `LocalBackend` for one monolithic engine); `tokenizer` turns text and chat

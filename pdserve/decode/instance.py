@@ -1,4 +1,4 @@
-"""A decode instance: d ranks in lockstep, fed by transferred state (DESIGN.md §2 steps 3-4).
+"""A decode instance: d ranks in lockstep, fed by transferred state (docs/design.md §2 steps 3-4).
 
 `DecodeInstance` is a step engine for `Batcher`: `admit` pulls a request's state from its prefill
 instance into every rank (allocate -> plan -> READ -> verify -> notify), the first token comes

@@ -1,4 +1,4 @@
-"""`StateHandle`: what a prefill instance returns for one request (DESIGN.md §2 step 2)."""
+"""`StateHandle`: what a prefill instance returns for one request (docs/design.md §2 step 2)."""
 from __future__ import annotations
 
 import msgspec

@@ -1,1 +1,1 @@
-"""The state contract (DESIGN.md §3): layouts, pools, block tables, StateManifest."""
+"""The state contract (docs/design.md §3): layouts, pools, block tables, StateManifest."""

@@ -1,5 +1,5 @@
 """Per-request block tables: latent pages per DCP rank, the running KDA slot, and the sparse KDA
-checkpoint slots used for prefix reuse (DESIGN.md §3)."""
+checkpoint slots used for prefix reuse (docs/design.md §3)."""
 from __future__ import annotations
 
 import msgspec

@@ -1,4 +1,4 @@
-"""State layouts: what one rank caches per request, in which dtype and order (DESIGN.md §3).
+"""State layouts: what one rank caches per request, in which dtype and order (docs/design.md §3).
 
 `StateLayout` is everything about cached state that two engines must agree on before they can
 exchange it; `RankShapes` derives the per-rank tensor shapes from a model config and a TP size.

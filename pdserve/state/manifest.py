@@ -1,5 +1,5 @@
 """`StateManifest`: everything a decode rank needs to compute its reads of one request's state,
-and nothing else (DESIGN.md §3). Serializable with msgspec (msgpack or JSON)."""
+and nothing else (docs/design.md §3). Serializable with msgspec (msgpack or JSON)."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""State pools: paged MLA latent cache and KDA state slots (DESIGN.md §3).
+"""State pools: paged MLA latent cache and KDA state slots (docs/design.md §3).
 
 Each pool is ONE contiguous tensor per kind (all layers of a group together) so the transfer layer
 registers a few large regions with NIXL; per-layer views index into it. Page 0 / slot 0 are never
