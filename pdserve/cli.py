@@ -28,7 +28,7 @@ def _load(args):
 def cmd_generate(args) -> int:
     from pdserve.model.generate import ReferenceEngine
     from pdserve.model.sampling import SamplingParams
-    from pdserve.model.tokenizer import ByteTokenizer
+    from pdserve.api.tokenizer import ByteLevelTokenizer as ByteTokenizer
 
     from pdserve.model.config import load_model_config
 

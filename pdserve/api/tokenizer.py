@@ -1,19 +1,20 @@
 """Text <-> token ids for the API: prompts, chat templates, and streamed text with stop strings.
 
 Two tokenizers share one small interface (`encode`, `decode`, `chat_prompt`, `vocab_size`,
-`stop_token_ids`): the byte-level one of the `tiny` preset, and a Hugging Face `tokenizer.json`
-loaded with the `tokenizers` package (no transformers). Stopping on the model's EOS is the
-engine's job (it reads `eos_token_id` from the model config); `stop_token_ids` adds the
-tokenizer's own end tokens (e.g. a chat template's end-of-turn) when it declares them.
+`stop_token_ids`, `backend`): the byte-level one of the `tiny` preset, and a Hugging Face
+`tokenizer.json` loaded with the `tokenizers` package (no transformers). Both decode through a
+`tokenizers.Tokenizer` (`backend`), so `TextStream` streams text for either with
+`tokenizers.decoders.DecodeStream`. Stopping on the model's EOS is the engine's job (it reads
+`eos_token_id` from the model config); `stop_token_ids` adds the tokenizer's own end tokens (e.g.
+a chat template's end-of-turn) when it declares them.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
 from typing import Protocol, Sequence
-
-from pdserve.model.tokenizer import ByteTokenizer
 
 log = logging.getLogger("pdserve.api")
 
@@ -23,6 +24,8 @@ Message = tuple[str, str]  # (role, content)
 class Tokenizer(Protocol):
     vocab_size: int            # the model's vocabulary: valid prompt ids are below it
     stop_token_ids: list[int]  # end tokens beyond the model config's eos_token_id
+    backend: object            # the `tokenizers.Tokenizer` that decodes (and streams) the ids
+    skip_special_tokens: bool  # whether decoded text leaves special tokens out
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -35,20 +38,49 @@ def simple_chat_template(messages: list[Message]) -> str:
     return "".join(f"<|{role}|>\n{content}\n" for role, content in messages) + "<|assistant|>\n"
 
 
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of the `ByteLevel` pre-tokenizer
+    and decoder."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # printable Latin-1
+    chars, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+@functools.cache
+def _byte_backend():
+    """The byte vocabulary as a `tokenizers.Tokenizer`: token id b is byte b (a byte-level BPE
+    without merges). It decodes as `bytes(ids).decode("utf-8", errors="replace")` does."""
+    from tokenizers import Tokenizer as _Tokenizer, decoders, models, pre_tokenizers
+
+    tok = _Tokenizer(models.BPE(vocab={c: b for b, c in _byte_chars().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
 class ByteLevelTokenizer:
     """One token per UTF-8 byte (the `tiny` preset's 256-token vocabulary)."""
 
-    vocab_size = ByteTokenizer.vocab_size
+    vocab_size = 256
     stop_token_ids: list[int] = []
+    skip_special_tokens = False  # there are none
 
-    def __init__(self) -> None:
-        self._bytes = ByteTokenizer()
+    @property
+    def backend(self):
+        return _byte_backend()
 
     def encode(self, text: str) -> list[int]:
-        return self._bytes.encode(text)
+        return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return self._bytes.decode(ids)
+        bad = [i for i in ids if not 0 <= i < 256]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are not bytes")
+        return self.backend.decode(list(ids))
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         return self.encode(simple_chat_template(messages))
@@ -57,10 +89,12 @@ class ByteLevelTokenizer:
 class HFTokenizer:
     """`tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json` when present)."""
 
+    skip_special_tokens = True
+
     def __init__(self, directory: Path, vocab_size: int):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tok = _Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self.backend = self._tok = _Tokenizer.from_file(str(directory / "tokenizer.json"))
         if self._tok.get_vocab_size() > vocab_size:
             raise ValueError(f"{directory}/tokenizer.json has {self._tok.get_vocab_size()} tokens; "
                              f"the model's vocab_size is only {vocab_size}")
@@ -83,7 +117,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         if self._template is None:
@@ -143,17 +177,21 @@ def load_tokenizer(model_spec: str, vocab_size: int) -> Tokenizer:
 class TextStream:
     """Turns a request's output tokens into text deltas for streaming, honouring stop strings.
 
-    Decodes a window of recent tokens (the prefix/read offsets of HF text-generation-inference)
-    and only emits text once it no longer ends in U+FFFD, so a character split over several
-    tokens (a multi-byte UTF-8 char in the byte vocabulary) streams whole. Text that could still
-    grow into a stop string is held back; once a stop string appears, the text is cut before it
-    and `stopped` is set."""
+    The text comes from `tokenizers.decoders.DecodeStream` over the tokenizer's `backend`: it
+    emits text only once it no longer ends in U+FFFD, so a character split over several tokens
+    (a multi-byte UTF-8 char in the byte vocabulary, or a byte-level BPE token boundary inside
+    one) streams whole. `flush` adds what is still held at the end, so the deltas concatenate to
+    the full decode. Text that could still grow into a stop string is held back; once a stop
+    string appears, the text is cut before it and `stopped` is set."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+        from tokenizers.decoders import DecodeStream
+
         self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=tokenizer.skip_special_tokens)
         self._stops = list(stops)
         self._ids: list[int] = []
-        self._prefix = self._read = 0  # token offsets of the decode window
+        self._pending: list[int] = []  # pushed since DecodeStream last returned text
         self._text = ""                # decoded text (whole characters) so far
         self._sent = 0                 # characters of it already returned
         self.stopped = False
@@ -163,21 +201,25 @@ class TextStream:
         if self.stopped:
             return ""
         self._ids.append(token)
-        self._decode(final=False)
+        self._pending.append(token)
+        piece = self._stream.step(self._tok.backend, token)
+        if piece is not None:
+            self._text += piece
+            self._pending.clear()
         return self._take(final=False)
 
     def flush(self) -> str:
         """The rest of the text at the end of the request."""
-        if not self.stopped:
-            self._decode(final=True)
+        if not self.stopped and self._pending:
+            # What DecodeStream still holds (a character left incomplete): the full decode's
+            # tail, which ends in U+FFFD as the full decode does.
+            full = self._tok.decode(self._ids)
+            if full.startswith(self._text):
+                self._text = full
+            else:  # a decoder whose windows do not add up to the whole: the held ids alone
+                self._text += self._tok.decode(self._pending)
+            self._pending.clear()
         return self._take(final=True)
-
-    def _decode(self, final: bool) -> None:
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        now = self._tok.decode(self._ids[self._prefix:])
-        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
-            self._text += now[len(before):]
-            self._prefix, self._read = self._read, len(self._ids)
 
     def _take(self, final: bool) -> str:
         # A stop string cannot start before _sent: whatever could still begin one was held back.

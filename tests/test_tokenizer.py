@@ -1,0 +1,109 @@
+"""The API's tokenizers and streamed text: one byte-level tokenizer, and `TextStream` over
+`tokenizers.decoders.DecodeStream` for it and for a Hugging Face byte-level BPE, where multi-byte
+UTF-8 characters split across tokens stream whole and the pieces add up to the full decode."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pdserve.api.tokenizer import ByteLevelTokenizer, TextStream, load_tokenizer
+
+TEXT = "héllo 世界 🙂"
+REPLACEMENT = "\ufffd"
+
+
+def stream(tok, ids: list[int], stops=()) -> list[str]:
+    """Every delta TextStream returns for `ids`, the flush last."""
+    text = TextStream(tok, stops)
+    return [text.push(i) for i in ids] + [text.flush()]
+
+
+def assert_whole_characters(pieces: list[str], full: str) -> None:
+    assert "".join(pieces) == full
+    for piece in pieces:
+        assert REPLACEMENT not in piece, pieces  # no character emitted before it is complete
+
+
+def test_byte_tokenizer_is_the_utf8_bytes():
+    tok = ByteLevelTokenizer()
+    ids = tok.encode(TEXT)
+    assert ids == list(TEXT.encode("utf-8")) and tok.vocab_size == 256
+    assert tok.backend.encode(TEXT).ids == ids  # the tokenizers pipeline is the same vocabulary
+    assert tok.decode(ids) == TEXT
+    with pytest.raises(ValueError, match=r"token ids \[256\] are not bytes"):
+        tok.decode([104, 256])
+
+
+def test_byte_decode_replaces_invalid_bytes_as_python_does():
+    tok, rng = ByteLevelTokenizer(), random.Random(0)
+    tricky = [0x80, 0x82, 0x9F, 0xAC, 0xC0, 0xC2, 0xE2, 0xED, 0xA0, 0xF0, 0xF4, 0xFF]
+    for _ in range(2000):
+        raw = bytes(rng.choice([rng.randrange(256), rng.choice(tricky)])
+                    for _ in range(rng.randint(0, 12)))
+        assert tok.decode(list(raw)) == raw.decode("utf-8", errors="replace"), raw
+
+
+def test_byte_tokenizer_streams_multibyte_characters_whole():
+    tok = ByteLevelTokenizer()
+    pieces = stream(tok, tok.encode(TEXT))
+    assert_whole_characters(pieces, TEXT)
+    # one piece per character, on the token that completes it; nothing before
+    assert [p for p in pieces if p] == list(TEXT)
+    assert pieces[:3] == ["h", "", "é"]  # é is 2 bytes
+    assert pieces[-5:] == ["", "", "", "🙂", ""]  # 🙂 is 4 bytes
+
+
+def test_byte_stream_of_invalid_bytes_ends_as_the_full_decode():
+    tok, rng = ByteLevelTokenizer(), random.Random(1)
+    for _ in range(300):
+        ids = [rng.choice([rng.randrange(256), 0xE2, 0x82, 0xF0, 0x9F])
+               for _ in range(rng.randint(1, 20))]
+        pieces = stream(tok, ids)
+        assert "".join(pieces) == tok.decode(ids), ids
+        # a replacement character is only ever emitted with the valid text after it, or last
+        assert all(not p.endswith(REPLACEMENT) for p in pieces[:-1]), (ids, pieces)
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    """A small byte-level BPE trained here: few merges, so some tokens hold part of a
+    multi-byte character (🙂 is four one-byte tokens, "naï" ends in half of ï)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld", "hello world 世界", "世界 and 🙂 and ü", "naïve café"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>"], show_progress=False))
+    d = tmp_path_factory.mktemp("bpe")
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+def test_hf_byte_level_bpe_streams_split_characters_whole(bpe_dir):
+    tok = load_tokenizer(str(bpe_dir), vocab_size=300)
+    text = TEXT + " naïve"
+    ids = tok.encode(text)
+    alone = [tok.backend.decode([i]) for i in ids]
+    assert any(REPLACEMENT in a for a in alone), "no token splits a character: test is vacuous"
+    pieces = stream(tok, ids)
+    assert_whole_characters(pieces, tok.decode(ids))
+    assert "".join(pieces) == text
+    assert "🙂" in pieces  # its four byte tokens stream as one piece
+
+
+def test_hf_stream_skips_special_and_unknown_ids(bpe_dir):
+    tok = load_tokenizer(str(bpe_dir), vocab_size=300)
+    eos = tok.backend.token_to_id("</s>")
+    ids = tok.encode("héllo") + [eos] + [290] + tok.encode(" 世界")  # 290: padding, no token
+    pieces = stream(tok, ids)
+    assert_whole_characters(pieces, tok.decode(ids))
+    assert "".join(pieces) == "héllo 世界"
+
+
+def test_stop_strings_cut_split_characters_cleanly():
+    tok = ByteLevelTokenizer()
+    pieces = stream(tok, tok.encode("a世b🙂c"), stops=["🙂"])
+    assert_whole_characters(pieces, "a世b")
