@@ -1,17 +1,17 @@
-"""CuTe DSL MLA decode kernels compile to sm_90a cubins on a CPU-only machine (CI).
+"""The CuTe DSL MLA decode kernels compile to sm_90a cubins on a CPU-only machine (CI), and the
+launch plan makes the choices it documents.
 
-`CUTE_DSL_ARCH=sm_90a` makes cute.compile target Hopper without a GPU. Each variant compiles
-once per session (the module caches compiled objects); the whole file takes ~25 s on 2 cores.
-All three attention cores are compiled: "mma" (mma.sync), "wgmma" (warpgroup MMA with a TMA
-producer warp) and "swapab" (warpgroup MMA with the heads as N; its fp8 path runs S^T as native
-e4m3 wgmmas with Q split into two e4m3 terms and builds V^T in registers); for the wgmma
-cores the PTX and cubin are also checked (sm_90a instructions, wgmma shapes and counts, registers
-at launch that fit the block, no spill stack), and so is the mma core's fp8 path, whose MMA
-operands come straight from the raw fp8 tile (PTX instruction counts, no spill stack, registers
-and shared memory for its CTAs per SM).
+`CUTE_DSL_ARCH=sm_90a` makes cute.compile target Hopper without a GPU. The attention kernel's
+variants (bf16 / fp8 cache, 16 / 32 padded heads, page sizes, one / two consumers, the fp8 query
+terms, the tile pool, latent halves, head groups, early_kv) are compiled and their PTX and cubin
+checked: sm_90a instructions, wgmma shapes and counts, the fp8 operand descriptors, barriers,
+registers at launch that fit the block, no spill stack. The variants are made by the launch plan
+for the H200's properties given explicitly (H200 below): no GPU is asked.
 """
+import dataclasses
 import os
 import re
+from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -21,76 +21,47 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (test extra)
 
 from pdserve.kernels.kda_decode.cutedsl import cubin_resources  # noqa: E402
 from pdserve.kernels.mla_decode import combine as mcomb  # noqa: E402
-from pdserve.kernels.mla_decode import common as mcom  # noqa: E402
-from pdserve.kernels.mla_decode import cutedsl as mc  # noqa: E402
+from pdserve.kernels.mla_decode import launch as ml  # noqa: E402
+from pdserve.kernels.mla_decode import plan as mp  # noqa: E402
+from pdserve.kernels.mla_decode.attention import MlaDecodeKernel  # noqa: E402
+from pdserve.kernels.mla_decode.plan import Attention, Combine, Device, plan_call  # noqa: E402
 
-VARIANTS = [(False, 16, 64), (False, 32, 64), (True, 16, 64), (True, 32, 64), (False, 32, 128)]
-
-
-@pytest.mark.parametrize("kv_fp8,h_pad,page_tokens", VARIANTS)
-def test_main_kernel_compiles(kv_fp8, h_pad, page_tokens):
-    fn = mc.compile_main(kv_fp8, h_pad, page_tokens, core="mma")
-    assert fn is not None
-    assert mc.compile_main(kv_fp8, h_pad, page_tokens, core="mma") is fn   # cached
-    k = mc.kernel_config(kv_fp8, h_pad, page_tokens, core="mma")
-    assert k.stages >= 2 and k.num_threads == 32 * 4 * (h_pad // 16)
-    smem = k.h_pad * 576 * 2 + k.stages * 64 * (576 if kv_fp8 else 576 * 2)
-    assert smem <= k.smem_bytes <= mcom.SMEM_LIMIT
+# the device the CPU build targets: an H200's SM count and opt-in shared memory per block
+H200 = Device(sm_count=132, smem_per_block=232448)
 
 
-# fp8 direct path (mma core): (h_pad, stages, smem bytes of Q + raw ring + P + stats, CTAs/SM)
-FP8_DIRECT = {16: (2, 94720, 2), 32: (4, 189440, 1)}
+def variant(kv_fp8, h_pad, page_tokens=64, **choices) -> Attention:
+    """The plan's attention variant with `h_pad` heads for a long-context call (B=8, L=32K: the
+    fp8 cache gets two consumers and the tile pool there, the bf16 one neither latent halves nor
+    head groups), with `choices` on top."""
+    return plan_call(8, h_pad, 32768, kv_fp8, page_tokens, H200, **choices).attention
 
 
-@pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
-def test_fp8_direct_core(h_pad, page_tokens, tmp_path):
-    """The fp8 cache feeds the MMAs from its raw tile: no widened 16-bit tile is stored to
-    shared memory, every B operand comes from 16-byte (K) / 8-byte (V) shared loads, prmt and
-    cvt.rn.f16x2.e4m3x2 (exact), and the fp16 MMAs run with no spill stack."""
-    k = mc.kernel_config(True, h_pad, page_tokens, core="mma")
-    stages, smem, ctas = FP8_DIRECT[h_pad]
-    assert (k.stages, k.smem_bytes, k.ctas_per_sm) == (stages, smem, ctas)
-    assert k.smem_bytes <= (mcom.SMEM_2CTA if ctas == 2 else mcom.SMEM_LIMIT)
-    fn = mc.compile_main(True, h_pad, page_tokens, core="mma", dump_dir=str(tmp_path))
-    ptx = fn.artifacts.PTX
-    # per tile: S 36 k-steps x 2 N repeats, P V 4 k-steps x 16 repeats
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 72 + 64
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 144 + 128
-    assert ptx.count("prmt.b32") == 64
-    assert ptx.count("ld.shared.v2.b32") == 32               # V: 4 tokens x 2 x 4 k-steps
-    assert ptx.count("ld.shared.v4.b32") >= 18               # K: 9 chunks x 2 (+ row stats)
-    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 36 + 4   # Q and P only
-    for st in ("st.shared.b16", "st.shared.u16", "st.shared.v2.b16", "st.shared.v4.b16",
-               "st.shared.v2.u16", "st.shared.v4.u16", "ld.local", "st.local"):
-        assert st not in ptx, st
-    res = cubin_resources(fn.artifacts.CUBIN)
-    assert res["stack"] == 0, "register spills"
-    assert res["regs"] * k.num_threads * k.ctas_per_sm <= 65536, res
+def kernel(kv_fp8, h_pad, page_tokens=64, **choices) -> MlaDecodeKernel:
+    return MlaDecodeKernel(variant(kv_fp8, h_pad, page_tokens, **choices))
 
 
-@pytest.mark.parametrize("kv_fp8,page_tokens", [(False, 64), (True, 64), (False, 128), (True, 256)])
-def test_wgmma_core_compiles(kv_fp8, page_tokens, tmp_path):
-    fn = mc.compile_main(kv_fp8, 32, page_tokens, core="wgmma", dump_dir=str(tmp_path))
-    ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
-    assert ".target sm_90a" in ptx
-    # S: 36 wgmma m64n64k16 (K = 576); PV: 4 wgmma m64n256k16 with a register A, transposed B
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 36
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 4
-    assert ptx.count("cp.async.bulk.tensor.2d") == 9          # one TMA box per 64 columns
-    assert ptx.count("setmaxnreg") == 2
-    res = cubin_resources(cubin)
-    assert res["stack"] == 0, "register spills"
-    assert res["regs"] <= 65536 // 384, res                 # 384 threads must fit at launch
-    k = mc.kernel_config(kv_fp8, 32, page_tokens, core="wgmma")
-    assert k.num_threads == 384 and k.stages >= 2 and k.smem_bytes <= mcom.SMEM_LIMIT
-    assert mc.compile_main(kv_fp8, 12, page_tokens, core="wgmma") is \
-        mc.compile_main(kv_fp8, 32, page_tokens, core="wgmma")  # one variant for every H
+def compiled(v: Attention):
+    """The process-cached compiled kernel of `v` (the launcher's)."""
+    return ml.attention_kernel(v)[1]
+
+
+def dump(v: Attention, tmp_path, name="k"):
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    return ml.compile_attention(v, str(d))
+
+
+def replaced(v: Attention, **fields) -> Attention:
+    return dataclasses.replace(v, **fields)
 
 
 @pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 128), (32, 128),
                                                (16, 256), (32, 256)])
-def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
-    fn = mc.compile_main(False, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
+def test_bf16_kernel_compiles(h_pad, page_tokens, tmp_path):
+    v = variant(False, h_pad, page_tokens)
+    assert (v.consumers, v.d_split, v.pool_div, v.bf16_partials) == (1, 1, 0, False)
+    fn = dump(v, tmp_path)
     ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert ".target sm_90a" in ptx
     # S^T = K Q^T: 36 wgmma m64nNk16 (K = 576); O^T += V^T P^T: 8 blocks of 64 latent dims x 4
@@ -110,94 +81,73 @@ def test_swapab_core_compiles(h_pad, page_tokens, tmp_path):
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
     assert res["regs"] <= 65536 // 256, res                 # 256 threads must fit at launch
-    k = mc.kernel_config(False, h_pad, page_tokens, core="swapab")
-    assert k.num_threads == 256 and k.h_pad == h_pad and k.stages >= 2
-    assert k.smem_bytes <= mcom.SMEM_LIMIT
-    # h_pad is part of the variant (cached per (h_pad, page size))
-    assert mc.compile_main(False, h_pad, page_tokens, core="swapab") is \
-        mc.compile_main(False, h_pad, page_tokens, core="swapab")
-    assert mc.compile_main(False, h_pad, page_tokens, core="swapab") is not \
-        mc.compile_main(False, 48 - h_pad, page_tokens, core="swapab")
+    k = MlaDecodeKernel(v)
+    assert k.num_threads == 256 and k.h_pad == h_pad and k.stages == 2
+    assert k.smem_bytes <= H200.smem_per_block
+    # the variant is the cache key: equal variants share the compiled kernel, h_pad does not
+    assert compiled(v) is compiled(variant(False, h_pad, page_tokens))
+    assert compiled(v) is not compiled(variant(False, 48 - h_pad, page_tokens))
 
 
 @pytest.mark.parametrize("h_pad", [16, 32])
-def test_swapab_bf16_d_split_compiles(h_pad, tmp_path):
+def test_bf16_d_split_compiles(h_pad, tmp_path):
     """d_split 2 (bf16): each CTA runs S^T whole (36 wgmmas) and PV over its 256 latent dims
     (4 blocks x 4 k-steps), and writes 256 dims of each head's output row (half the packed
     bf16x2 stores); no spill, the same ring and smem as d_split 1."""
-    fn = mc.compile_main(False, h_pad, 64, core="swapab", dump_dir=str(tmp_path), d_split=2)
+    v = variant(False, h_pad, d_split=2)
+    fn = dump(v, tmp_path)
     ptx = fn.artifacts.PTX
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k16.f32.bf16.bf16") == 36 + 4 * 4
     assert ptx.count(", p, 1,  1, 1, 0;") == 16                 # PV: MN-major A = V^T
     assert ptx.count("cvt.rn.bf16x2.f32") == 256 * h_pad // 128 // 2
     assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0, "register spills"
-    k = mc.kernel_config(False, h_pad, 64, core="swapab", d_split=2)
-    one = mc.kernel_config(False, h_pad, 64, core="swapab")
+    k, one = MlaDecodeKernel(v), kernel(False, h_pad)
     assert (k.d_split, k.d_out, one.d_split, one.d_out) == (2, 256, 1, 512)
     assert (k.stages, k.smem_bytes) == (one.stages, one.smem_bytes)
-    assert mc.compile_main(False, h_pad, 64, core="swapab", d_split=2) is not \
-        mc.compile_main(False, h_pad, 64, core="swapab")
+    assert compiled(v) is not compiled(variant(False, h_pad))
 
 
-def test_swapab_d_split_refusals_and_choice(monkeypatch):
+def test_d_split_refusals_and_choice():
     """d_split 2 needs the bf16 cache, one consumer and no tile pool (the two CTAs must run the
-    same tiles); call_d_split answers 1 wherever the kernel would refuse, else 2 where the
-    doubled launch takes at most half of the SMs (the cells measured on the H200), unless
-    PDSERVE_MLA_SWAPAB_DSPLIT decides (malformed values named)."""
-    for kw in (dict(kv_fp8=True), dict(consumers=2), dict(d_split=3)):
-        args = dict(kv_fp8=False, h_pad=32, page_tokens=64, core="swapab", d_split=2)
+    same tiles); the plan takes it where the doubled launch fills at most half of the device's
+    SMs (the cells measured on the H200)."""
+    for kw in (dict(kv_fp8=True), dict(consumers=2), dict(d_split=3), dict(pool_div=4)):
+        args = dict(kv_fp8=False, h_pad=32, d_split=2)
         args.update(kw)
         with pytest.raises(ValueError, match="d_split"):
-            mc.kernel_config(**args)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
-    with pytest.raises(ValueError, match="d_split"):
-        mc.kernel_config(False, 32, 64, core="swapab", d_split=2)
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_POOL")
-    # the rule: where the doubled launch takes at most half of the SMs (D_SPLIT_MAX_CTAS = 66)
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_DSPLIT", raising=False)
-    assert mc.D_SPLIT_MAX_CTAS == 66
-    assert mc.call_d_split("swapab", False, 1, False, 1, 33) == 2
-    assert mc.call_d_split("swapab", False, 1, False, 1, 34) == 1
-    assert mc.call_d_split("swapab", False, 1, False, None, 8) == 1     # batch unknown
+            kernel(**args)
+    # the rule: 2 x requests x splits <= half of the SMs
+    assert mp.choose_d_split(False, 1, 0, 1, 33, 132) == 2
+    assert mp.choose_d_split(False, 1, 0, 1, 34, 132) == 1
+    assert mp.choose_d_split(False, 1, 0, 1, 33, 130) == 1            # the device's SMs
+    assert mp.choose_d_split(True, 1, 0, 1, 8, 132) == 1              # fp8
+    assert mp.choose_d_split(False, 2, 0, 1, 8, 132) == 1             # two consumers
+    assert mp.choose_d_split(False, 1, 4, 1, 8, 132) == 1             # tile pool
     want = {(1, 1024, 32): 2, (1, 2048, 32): 2, (1, 4096, 32): 2, (2, 1024, 32): 2,
             (1, 8192, 32): 1, (2, 2048, 32): 1, (4, 1024, 32): 1, (8, 8192, 32): 1,
             (1, 1024, 12): 2, (1, 4096, 12): 2, (4, 1024, 12): 2, (1, 8192, 12): 1,
             (4, 2048, 12): 1}
     for (B, L, H), d in want.items():
         for fp8 in (False, True):
-            core, splits, groups = mc.plan_call(B, H, L, fp8, None, True)
-            k, _ = mc.call_variant(fp8, H // groups, 64, core, True, groups, L, splits,
-                                   q_terms=1 if fp8 else 2, batch=B * groups)
-            assert k.d_split == (1 if fp8 else d), (B, L, H, fp8, splits, groups)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", "2")
-    assert mc.call_d_split("swapab", False, 1, False, 1, 64) == 2
-    assert mc.call_d_split("swapab", True, 1, False, 1, 64) == 1      # fp8
-    assert mc.call_d_split("swapab", False, 2, False, 1, 64) == 1     # two consumers
-    assert mc.call_d_split("swapab", False, 1, True, 1, 64) == 1      # tile pool
-    assert mc.call_d_split("wgmma", False, None, False, 1, 64) == 1
-    k, _ = mc.call_variant(False, 32, 64, "swapab", True, 1, 8192, 64, batch=1)
-    assert k.d_split == 2
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", "1")
-    assert mc.call_d_split("swapab", False, 1, False, 1, 64) == 1
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", "4")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_DSPLIT='4'"):
-        mc.call_d_split("swapab", False, 1, False, 1, 64)
+            v = plan_call(B, H, L, fp8, 64, H200).attention
+            assert v.d_split == (1 if fp8 else d), (B, L, H, fp8)
+    assert plan_call(1, 32, 8192, False, 64, H200, d_split=2).attention.d_split == 2
 
 
-def test_swapab_core_refuses_bad_h_pad():
-    with pytest.raises(ValueError, match="h_pad"):
-        mc.kernel_config(False, 64, 64, core="swapab")
-    with pytest.raises(ValueError, match="h_pad"):
-        mc.kernel_config(True, 64, 64, core="swapab")
-    assert "swapab" in mc.CORES
+def test_refuses_bad_h_pad_and_page_size():
+    for fp8 in (False, True):
+        with pytest.raises(ValueError, match="h_pad=64"):
+            MlaDecodeKernel(replaced(variant(fp8, 32), h_pad=64))
+    with pytest.raises(ValueError, match="page_tokens=96"):
+        MlaDecodeKernel(replaced(variant(False, 32), page_tokens=96))
 
 
-# swapab fp8, two consumer warpgroups (ping-pong, the default): (h_pad) -> (stages, smem bytes
-# as kernel_config reports them); one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1): SWAPAB_FP8_ONE
-# (two consumers: an even ring, tests/test_mla_ring_protocol.py; two P^T buffers each for the lazy
-# maxima)
-SWAPAB_FP8 = {16: (4, 179712), 32: (4, 207872)}
-SWAPAB_FP8_ONE = {16: (5, 209664), 32: (5, 230912)}
+# fp8, two consumer warpgroups (the default for long splits): (h_pad) -> (stages, smem bytes);
+# one consumer: FP8_ONE (two consumers: an even ring, tests/test_mla_ring_protocol.py; two P^T
+# buffers each for the lazy maxima)
+FP8_TWO = {16: (4, 179712), 32: (4, 207872)}
+FP8_ONE = {16: (5, 209664), 32: (5, 230912)}
+
 # the wgmma shared-memory descriptor bits (above the start address) of every fp8 S^T operand, as
 # the library encodes them for raw_layout / q8_layout: 64-byte swizzle (bits 62-63 = 2), stride
 # byte offset 512 (bits 32-45, 16-byte units: 8 rows x 64 bytes), leading byte offset 16 (unused
@@ -220,7 +170,7 @@ def _wgmma_sw64_kmajor(start, r, kk):
 
 def _fp8_s_operand_starts(hp, joint=False):
     """Start byte offsets of the S^T wgmma operands per k-step k (0..17), as the kernel's PTX has
-    them (checked in test_swapab_fp8_core_compiles): A (the stage's K tile) (k // 2) * 4096 +
+    them (checked in test_fp8_kernel_compiles): A (the stage's K tile) (k // 2) * 4096 +
     (k % 2) * 32; B term t (Q_hi 0, Q_lo 1) t * hp * 576 + (k // 2) * hp * 64 + (k % 2) * 32;
     joint (qk_joint): one B operand [Q_hi ; Q_lo] of 2 hp rows, (k // 2) * 2 hp * 64 +
     (k % 2) * 32."""
@@ -231,36 +181,39 @@ def _fp8_s_operand_starts(hp, joint=False):
     return a, b
 
 
-def _fp8_qk_wgmma(h_pad, joint):
-    """(PTX instruction, count per tile) of the fp8 S^T: 36 m64n(h_pad)k32, or (joint) 18 of
-    N = 2 h_pad."""
+def _fp8_qk_wgmma(h_pad, joint, q_terms=2):
+    """(PTX instruction, count per tile) of the fp8 S^T: 18 x q_terms m64n(h_pad)k32, or
+    (joint) 18 of N = 2 h_pad."""
     n = 2 * h_pad if joint else h_pad
-    return f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3", 18 if joint else 36
+    return f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3", 18 if joint else 18 * q_terms
 
 
 @pytest.mark.parametrize("h_pad", [16, 32])
-def test_swapab_fp8_single_query(h_pad, tmp_path):
-    """fp8_query="single" (q_terms 1): S^T from Q_hi alone, 18 e4m3 wgmma m64n(h_pad)k32 per
-    tile in the same 9 promotion chunks (no joint form), Q_lo never stored (each Q vector one
-    8-byte st.shared per term: half of the split's), no spill; q_terms 1 needs an fp8 cache."""
-    for d in ("s", "q"):
-        (tmp_path / d).mkdir()
-    split = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path / "s"))
-    fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path / "q"), q_terms=1)
-    k = mc.kernel_config(True, h_pad, 64, core="swapab", q_terms=1)
-    assert (k.q_terms, k.qk_joint) == (1, False)
+def test_fp8_single_query(h_pad, tmp_path):
+    """fp8_query="single" (the default; q_terms 1): S^T from Q_hi alone, 18 e4m3 wgmma
+    m64n(h_pad)k32 per tile in the same 9 promotion chunks (no joint form), Q_lo never stored
+    (half of the split query's 8-byte Q stores), no spill; q_terms 1 needs an fp8 cache."""
+    v = variant(True, h_pad)
+    assert (v.q_terms, v.qk_joint) == (1, False)
+    split = dump(variant(True, h_pad, fp8_query="split"), tmp_path, "s")
+    fn = dump(v, tmp_path, "q")
     ptx = fn.artifacts.PTX
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k32.f32.e4m3.e4m3") == 18
     assert ptx.count("wgmma.mma_async.sync.aligned.") == 18 + 2 * 8 * 4
-    assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 2 * 4 * (8 // v.pv_group)
     q_st = lambda p: p.count("st.shared.v2.b32")
     per_term = (q_st(split.artifacts.PTX) - q_st(ptx))
     assert per_term > 0 and q_st(split.artifacts.PTX) - 2 * per_term >= 0
     assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0
-    with pytest.raises(ValueError, match="q_terms"):
-        mc.kernel_config(False, h_pad, 64, core="swapab", q_terms=1)
-    with pytest.raises(ValueError, match="q_terms"):
-        mc.kernel_config(True, h_pad, 64, core="swapab", q_terms=3)
+    with pytest.raises(ValueError, match="q_terms=1"):
+        MlaDecodeKernel(replaced(variant(False, h_pad), q_terms=1))
+    with pytest.raises(ValueError, match="q_terms=3"):
+        MlaDecodeKernel(replaced(v, q_terms=3))
+    with pytest.raises(ValueError, match="fp8_query must be"):
+        variant(True, h_pad, fp8_query="half")
+    # a bf16 cache never rounds its query: the plan says "split" whatever was asked
+    assert plan_call(1, 12, 100, False, 64, H200, fp8_query="single").fp8_query == "split"
+    assert plan_call(1, 12, 100, True, 64, H200).fp8_query == "single"
 
 
 def _named_barriers(ptx):
@@ -269,25 +222,25 @@ def _named_barriers(ptx):
             for op, arg in re.findall(r"\bbar\.(sync|arrive)\s+([^;]*);", ptx)]
 
 
-# the two fp8 consumers' barriers (test_swapab_fp8_core_compiles says which is which)
+# the two fp8 consumers' barriers (test_fp8_kernel_compiles says which is which)
 PAIR_BARRIERS = [("sync", "0")] + [("sync", "%r, 128")] * 3 + [("sync", "3, 256")] * 4
 
-
 @pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
-def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
-    """swapab with the fp8 cache: S^T = K (Q_hi + Q_lo)^T with the native e4m3 wgmma m64nNk32
-    (A = the raw fp8 stage in smem, B = Q_hi / Q_lo in smem, no K conversion); O^T with the fp16
-    wgmma, A = V^T widened in registers from the raw bytes; no spill."""
-    k = mc.kernel_config(True, h_pad, page_tokens, core="swapab")
+def test_fp8_kernel_compiles(h_pad, page_tokens, tmp_path):
+    """The fp8 cache with the two-term query: S^T = K (Q_hi + Q_lo)^T with the native e4m3
+    wgmma m64nNk32 (A = the raw fp8 stage in smem, B = Q_hi / Q_lo in smem, no K conversion);
+    O^T with the fp16 wgmma, A = V^T widened in registers from the raw bytes; no spill."""
+    v = variant(True, h_pad, page_tokens, fp8_query="split")
+    k = MlaDecodeKernel(v)
     assert k.consumers == 2 and k.num_threads == 384
     assert k.qk_joint == (h_pad == 16)               # the joint S^T: the default at h_pad 16
-    assert (k.stages, k.smem_bytes) == SWAPAB_FP8[h_pad]
-    assert k.smem_bytes <= mcom.SMEM_LIMIT and k.tma_bytes == 64 * 576
+    assert (k.stages, k.smem_bytes) == FP8_TWO[h_pad]
+    assert k.smem_bytes <= H200.smem_per_block and k.tma_bytes == 64 * 576
     # the merge (each consumer's O^T fragments of the heads the other writes + their max / sum)
     # fits in the ring
     assert k.xmerge and k.merge_bytes == (128 * 4 * h_pad + 2 * 2 * h_pad) * 4 <= \
         k.stages * k.tma_bytes
-    fn = mc.compile_main(True, h_pad, page_tokens, core="swapab", dump_dir=str(tmp_path))
+    fn = dump(v, tmp_path)
     ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert ".target sm_90a" in ptx
     # per tile: S^T 18 k-steps x (Q_hi, Q_lo) e4m3 wgmma k32 (joint: 18 of N = 2 h_pad); O^T 8 M
@@ -301,7 +254,7 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     assert ptx.count("wgmma.fence.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
     assert ptx.count("wgmma.commit_group.sync.aligned") == 9 + 2 * 4 * (8 // k.pv_group)
     # one TMA box per 64 columns, in the loop over the split's own tiles and in the tile
-    # pool's (the fp8 default)
+    # pool's (the default at this shape)
     assert k.pool_div == 4 and ptx.count("cp.async.bulk.tensor.2d") == 9 * 2
     # one decrease (producer, 24) and one increase (both consumers, 240): 128 x 24 + 256 x 240
     assert ptx.count("setmaxnreg") == 2
@@ -345,64 +298,70 @@ def test_swapab_fp8_core_compiles(h_pad, page_tokens, tmp_path):
     res = cubin_resources(cubin)
     assert res["stack"] == 0, "register spills"
     assert res["regs"] <= 65536 // 384, res                 # 384 threads must fit at launch
-    print(f"swapab fp8 h_pad={h_pad} page={page_tokens}: {res}, smem {k.smem_bytes} B, "
-          f"{k.stages} stages")
     # fp8 and bf16 are distinct cached variants
-    assert mc.compile_main(True, h_pad, page_tokens, core="swapab") is not \
-        mc.compile_main(False, h_pad, page_tokens, core="swapab")
+    assert compiled(variant(True, h_pad, page_tokens)) is not \
+        compiled(variant(False, h_pad, page_tokens))
 
 
 @pytest.mark.parametrize("kv_fp8,consumers", [(True, 1), (False, 2)])
-def test_swapab_consumers_override(kv_fp8, consumers, monkeypatch, tmp_path):
-    """PDSERVE_MLA_SWAPAB_CONSUMERS overrides the consumer warpgroup count (default without a
-    shape 2 for fp8, 1 for bf16; per call cutedsl.call_consumers): fp8 with one consumer is the
-    previous single-consumer kernel (256 threads, 5 stages), bf16 with two compiles with no
-    spill (opt-in, not the default)."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", str(consumers))
-    k = mc.kernel_config(kv_fp8, 32, 64, core="swapab")
+def test_consumer_counts(kv_fp8, consumers, tmp_path):
+    """The consumer warpgroups are an explicit choice: fp8 with one consumer (256 threads, 5
+    stages) and bf16 with two compile with no spill."""
+    v = variant(kv_fp8, 32, consumers=consumers)
+    k = MlaDecodeKernel(v)
     assert k.consumers == consumers and k.num_threads == 128 * (1 + consumers)
-    assert k.smem_bytes <= mcom.SMEM_LIMIT
+    assert k.smem_bytes <= H200.smem_per_block
     if kv_fp8:
-        assert (k.stages, k.smem_bytes) == SWAPAB_FP8_ONE[32]
-    fn = mc.compile_main(kv_fp8, 32, 64, core="swapab", dump_dir=str(tmp_path))
+        assert (k.stages, k.smem_bytes) == FP8_ONE[32]
+        assert not (k.lazy_max or k.q_half or k.xmerge)      # defaults for one consumer
+    fn = dump(v, tmp_path)
     res = cubin_resources(fn.artifacts.CUBIN)
     assert res["stack"] == 0, "register spills"
     assert res["regs"] * k.num_threads <= 65536, res
     assert fn.artifacts.PTX.count("setmaxnreg") == 2
 
 
-def test_swapab_lazy_switch_is_part_of_the_compile_cache_key(monkeypatch):
-    """PDSERVE_MLA_SWAPAB_LAZY=0 in a process that already compiled the lazy kernel gets the
-    exact one (the launcher's process cache is keyed by it), and back; the exact variant has
-    one P^T buffer per consumer and no barrier.red."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
-    lazy_k, lazy_fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_LAZY", "0")
-    exact_k, exact_fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
-    assert lazy_k.lazy_max and not exact_k.lazy_max
-    assert (lazy_k.p_bufs, exact_k.p_bufs) == (2, 1)
-    assert exact_fn is not lazy_fn
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_LAZY")
-    assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is lazy_fn
+def test_every_choice_is_part_of_the_cache_key():
+    """The compile cache is keyed by the attention variant, whose fields are the plan's
+    choices (each a keyword of plan_call) and the properties the kernel is built for: lazy and
+    exact maxima are two compiled kernels, and asking for the defaults explicitly gives the
+    default's compiled kernel back."""
+    derived = {"kv_fp8", "h_pad", "page_tokens", "q_terms", "smem_limit"}
+    for f in dataclasses.fields(Attention):
+        assert f.name in derived or f.name in mp.CHOICES, f.name
+    lazy = variant(True, 32)
+    exact = variant(True, 32, lazy_max=False)
+    assert lazy.lazy_max and not exact.lazy_max
+    assert (MlaDecodeKernel(lazy).p_bufs, MlaDecodeKernel(exact).p_bufs) == (2, 1)
+    assert compiled(exact) is not compiled(lazy)
+    p = plan_call(8, 32, 32768, True, 64, H200)
+    assert plan_call(8, 32, 32768, True, 64, H200, **p.choices()) == p
+    assert compiled(variant(True, 32, **p.choices())) is compiled(lazy)
 
 
-@pytest.mark.parametrize("h_pad,consumers", [(32, "2"), (16, "2"), (32, "1")])
-def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
-    """fp8 swapab: the epilogue writes each head's 16 consecutive latent dims per thread with
-    16-byte stores (per column 2 st.global.v4 for the bf16 split partial and 2 for the bf16
-    output, no scalar output stores; the kernel's trace asserts the 16 addresses are contiguous);
-    the split partials are bf16 (partial_dtype) and so is the combine's input; PV loads
-    each k-step's V words one k-step ahead (the first before the softmax) in groups of
-    (4, 2 in flight) at h_pad 16 and (2, 3 in flight) at 32 (one consumer at 32: per k-step,
-    (2, 2)); no spill."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_PV", raising=False)
-    k = mc.kernel_config(True, h_pad, 64, core="swapab")
-    assert k.consumers == int(consumers)
-    single_32 = consumers == "1" and h_pad == 32       # no prefetch there (it would spill)
+def test_no_environment_switches():
+    """Nothing in the kernel packages reads the environment: every choice is an argument."""
+    root = Path(mp.__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"os\.environ|getenv", text), path
+
+
+@pytest.mark.parametrize("h_pad,consumers", [(32, 2), (16, 2), (32, 1)])
+def test_fp8_epilogue_and_pv(h_pad, consumers, tmp_path):
+    """fp8: the epilogue writes each head's 16 consecutive latent dims per thread with 16-byte
+    stores (per column 2 st.global.v4 for the bf16 split partial and 2 for the bf16 output, no
+    scalar output stores; the kernel's trace asserts the 16 addresses are contiguous); the
+    split partials are bf16 and so is the combine's input; PV loads each k-step's V words one
+    k-step ahead (the first before the softmax) in groups of (4, 2 in flight) at h_pad 16 and
+    (2, 3 in flight) at 32 (one consumer at 32: per k-step, (2, 2)); no spill."""
+    v = variant(True, h_pad, consumers=consumers)
+    k = MlaDecodeKernel(v)
+    assert k.consumers == consumers
+    single_32 = consumers == 1 and h_pad == 32       # no prefetch there (it would spill)
     assert (k.pv_group, k.pv_in_flight, k.pv_prefetch) == (
         (4, 2, True) if h_pad == 16 else (2, 2, False) if single_32 else (2, 3, True))
-    fn = mc.compile_main(True, h_pad, 64, core="swapab", dump_dir=str(tmp_path))
+    fn = dump(v, tmp_path)
     ptx = fn.artifacts.PTX
     stores = re.findall(r"\b(st\.global[.\w]*)", ptx)
     n_cols = h_pad // 4
@@ -412,7 +371,7 @@ def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     assert "st.global.b16" not in stores                 # no scalar bf16 output stores left
     # what is left scalar: the LSE (final / partial) and the empty split's LSE
     assert stores.count("st.global.b32") <= 2 * n_cols + 1, stores
-    qk_op, n_qk = _fp8_qk_wgmma(h_pad, k.qk_joint)
+    qk_op, n_qk = _fp8_qk_wgmma(h_pad, k.qk_joint, k.q_terms)
     assert ptx.count(qk_op) == n_qk
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{h_pad}k16.f32.f16.f16") == 2 * 8 * 4
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
@@ -422,24 +381,17 @@ def test_swapab_fp8_epilogue_and_pv(h_pad, consumers, monkeypatch, tmp_path):
     res = cubin_resources(fn.artifacts.CUBIN)
     assert res["stack"] == 0, "register spills"
     assert res["regs"] * k.num_threads <= 65536, res
-    # the A/B override has its own cache entry
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PV", "2,2")
-    assert (mc.kernel_config(True, h_pad, 64, core="swapab").pv_in_flight) == 2
-    for bad in ("3,2", "2", "2,x", "2,2,2"):
-        monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PV", bad)
-        with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PV"):
-            mc.kernel_config(True, h_pad, 64, core="swapab")
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_PV")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_PARTIAL", "fp16")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_PARTIAL='fp16'"):
-        mc.kernel_config(True, h_pad, 64, core="swapab")
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_PARTIAL")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "yes")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_POOL='yes'"):
-        mc.kernel_config(True, h_pad, 64, core="swapab", consumers=2)
+    # the PV grouping is a choice of its own; the kernel refuses what it cannot run, and the
+    # bf16 cache has none
+    assert variant(True, h_pad, consumers=consumers, pv_in_flight=2).pv_in_flight == 2
+    for bad in (dict(pv_group=3), dict(pv_in_flight=9), dict(pv_in_flight=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            kernel(True, h_pad, consumers=consumers, **bad)
+    with pytest.raises(ValueError, match="fp8 cache only"):
+        variant(False, h_pad, pv_group=2)
 
 
-def test_swapab_two_consumer_merge_model():
+def test_two_consumer_merge_model():
     """CPU mirror (torch) of the two-consumer split: consumer c runs the online softmax (base 2,
     scale s) over the tiles t_begin + c + 2 i, _merge_consumers' formula merges the two; equal to
     the softmax over all tiles, for 1 (consumer 1 empty: m1 = -inf, l1 = 0), 2, odd and even tile
@@ -479,8 +431,8 @@ def test_swapab_two_consumer_merge_model():
         assert torch.allclose(lse, torch.logsumexp(x * 0.09, 0), atol=1e-12), n_tok
 
 
-def _swapab_fp8_fragment_check(out):
-    """Runs inside a cute.jit trace (static layouts evaluate to ints): the fp8 swapab operands.
+def _fp8_fragment_check(out):
+    """Runs inside a cute.jit trace (static layouts evaluate to ints): the fp8 kernel's operands.
     S^T: the wgmma hardware addressing (_wgmma_sw64_kmajor, with the kernel's descriptor fields
     and start offsets) reads K[token r][dim 32 k + kk] from the raw TMA layout and Q[head n][dim]
     from the kernel's Q layout, which the Q stores (_q8_offset, copy_q vectors) fill; P^T goes
@@ -489,8 +441,8 @@ def _swapab_fp8_fragment_check(out):
     from cutlass import BFloat16, Float16, Float32
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.cute.nvgpu import cpasync, warpgroup
-    from pdserve.kernels.mla_decode import swapab as sw
-    K = sw.MlaDecodeSwapAbKernel
+    from pdserve.kernels.mla_decode import attention as sw
+    K = sw.MlaDecodeKernel
     cute = cutlass.cute
     # 1. _raw_offset == the layout TMA writes (every byte of a stage); _q8_offset == q8_layout
     raw = K.raw_layout(1)
@@ -615,16 +567,16 @@ def _swapab_fp8_fragment_check(out):
     out["checked"] = (n_s, n_v)
 
 
-def test_swapab_fp8_fragment_layouts():
-    """The fp8 swapab operands: S^T's smem operands (raw TMA tile, Q_hi / Q_lo) through a model
+def test_fp8_fragment_layouts():
+    """The fp8 kernel's operands: S^T's smem operands (raw TMA tile, Q_hi / Q_lo) through a model
     of the wgmma descriptor addressing with the descriptor fields and start offsets the compiled
-    PTX has (test_swapab_fp8_core_compiles), the Q stores, P^T's token order, and the V^T A
+    PTX has (test_fp8_kernel_compiles), the Q stores, P^T's token order, and the V^T A
     fragments against the library's wgmma A layout (not a hand-written table)."""
     out = {}
 
     @cutlass.cute.jit
     def run():
-        _swapab_fp8_fragment_check(out)
+        _fp8_fragment_check(out)
 
     run()
     # S^T: A rows, B rows of both terms at h_pad 16 and 32, and the joint B rows at both
@@ -657,14 +609,14 @@ def _fp22_chain(K, Qt, groups, mbits=13):
     return tot.double()
 
 
-def test_swapab_fp8_q_split_numerics():
+def test_fp8_q_split_numerics():
     """S^T = K (Q_hi + Q_lo)^T / s (split_query_e4m3, the kernel's split) against float64:
-    never worse than rounding an fp32 q to bf16 (what the other cores' bf16 Q amounts to), and
+    never worse than rounding an fp32 q to bf16 (what the bf16 kernel's Q amounts to), and
     for the bf16 q the kernel actually reads, far below it. Also with a model of the fp8 wgmma's
     reduced-precision accumulator (_fp22_chain): the kernel's 9 chunks (qk_promote) keep the
     error at the split's level; one chain of 36 would not."""
     torch = pytest.importorskip("torch")
-    from pdserve.kernels.mla_decode.reference import split_query_e4m3
+    from pdserve.kernels.mla_decode.query import split_query_e4m3
     g = torch.Generator().manual_seed(0)
     Kc = (torch.randn(64, 576, generator=g) * 2).to(torch.float8_e4m3fn).float()
     results = {}
@@ -690,7 +642,7 @@ def test_swapab_fp8_q_split_numerics():
             e_chunk = _s_error(Kc, q, _fp22_chain(Kk, Qk, chunks) / float(s))
             e_chain = _s_error(Kc, q, _fp22_chain(Kk, Qk, [sum(chunks, [])]) / float(s))
             assert e_chunk[0] <= e_bf16[0] and e_chunk[1] <= e_bf16[1], (H, sig, e_chunk, e_bf16)
-            # ... and against the exact bf16 q the other cores multiply with
+            # ... and against the exact bf16 q the bf16 kernel multiplies with
             Qkb = torch.cat([hib.float().T, lob.float().T], 0)
             e_chunk_in = _s_error(Kc, qb, _fp22_chain(Kk, Qkb, chunks) / float(sb))
             assert e_chunk_in[0] <= e_bf16[0] and e_chunk_in[1] <= e_bf16[1]
@@ -704,181 +656,172 @@ def test_swapab_fp8_q_split_numerics():
         print(key, {k: tuple(f"{x:.2e}" for x in v) for k, v in r.items()})
 
 
+
 def test_combine_kernel_compiles():
-    few, narrow, wide, beside, beside_bf16 = (
-        mcomb.COMBINE_FEW, mcomb.COMBINE_NARROW, mcomb.COMBINE_WIDE, mcomb.COMBINE_WIDE_BESIDE,
-        mcomb.COMBINE_WIDE_BESIDE_BF16)
-    # fp32 partials (mma, wgmma cores) and bf16 (swapab): separate variants
-    for shape in (few, narrow, wide, beside, beside_bf16):
-        assert mcomb.compile_combine(shape) is mcomb.compile_combine(shape)
-        bf = mcomb.compile_combine(shape, cutlass.BFloat16)
-        assert bf is mcomb.compile_combine(shape, cutlass.BFloat16) and bf is not \
-            mcomb.compile_combine(shape)
-    assert [mc.kernel_config(kv_fp8, 32, 64, core=c).partial_dtype
-            for kv_fp8 in (False, True) for c in mc.CORES] == [
-        cutlass.Float32] * 5 + [cutlass.BFloat16]        # bf16 partials: swapab with fp8 only
+    """Each combine shape the plan picks compiles once per partials' type (the variant is the
+    cache key); the plan's partials are bf16 for the fp8 cache and fp32 for bf16; the shape
+    rule follows the splits, then the attention grid's share of the device's SMs, then the
+    partials' type."""
+    for shape in ((1, 1), (1, 4), (8, 32), (4, 8), (2, 8)):
+        fp32 = mcomb.compile_combine(Combine(*shape, False))
+        assert fp32 is mcomb.compile_combine(Combine(*shape, False))
+        bf = mcomb.compile_combine(Combine(*shape, True))
+        assert bf[0].partial_dtype is cutlass.BFloat16 and fp32[0].partial_dtype is cutlass.Float32
+        assert bf is mcomb.compile_combine(Combine(*shape, True)) and bf is not fp32
+    assert [plan_call(1, 32, 8192, fp8, 64, H200).attention.bf16_partials
+            for fp8 in (False, True)] == [False, True]
+    few, narrow, wide, beside, beside_bf16 = (1, 1), (1, 4), (8, 32), (4, 8), (2, 8)
     # one group while every split is among a thread's first UNROLL partial loads
-    assert [mcomb.choose_combine(n) for n in (2, 8, 9, 31, 32, 300)] == [
+    assert [mp.choose_combine(n, 132, False, 132) for n in (2, 8, 9, 31, 32, 300)] == [
         few, few, narrow, narrow, wide, wide]
-    # many splits: the attention grid's CTAs decide (>= 3/4 of the 132 SMs: full), then the
+    # many splits: the attention grid's CTAs decide (>= 3/4 of the SMs: full), then the
     # partials' type; few splits ignore both
-    assert [mcomb.choose_combine(64, ctas, fp32) for ctas, fp32 in
-            ((128, True), (99, False), (98, True), (64, True), (64, False))] == [
+    assert [mp.choose_combine(64, ctas, bf16, 132) for ctas, bf16 in
+            ((128, False), (99, True), (98, False), (64, False), (64, True))] == [
         wide, wide, beside, beside, beside_bf16]
-    assert mcomb.choose_combine(8, 8, False) == few
-    assert mcomb.choose_combine(31, 31, True) == narrow
+    assert mp.choose_combine(64, 99, True, 264) == beside_bf16         # the device's SMs
+    assert mp.choose_combine(8, 8, True, 132) == few
+    assert mp.choose_combine(31, 31, False, 132) == narrow
+    # what the plan asks for a call: B=1 L=8K bf16 H=12, 64 splits of 2 tiles beside 64 CTAs
+    p = plan_call(1, 12, 8192, False, 64, H200)
+    assert (p.num_splits, p.attention.d_split, p.combine) == (64, 1, Combine(4, 8, False))
 
 
-def test_combine_shape_override(monkeypatch):
-    """PDSERVE_MLA_COMBINE forces a valid shape for every call and refuses others by name."""
-    monkeypatch.setenv("PDSERVE_MLA_COMBINE", "2,4")
-    assert [mcomb.choose_combine(n) for n in (2, 16, 300)] == [(2, 4)] * 3
-    for bad in ("3,4", "1,16", "x", "1"):
-        monkeypatch.setenv("PDSERVE_MLA_COMBINE", bad)
-        with pytest.raises(ValueError, match="PDSERVE_MLA_COMBINE"):
-            mcomb.choose_combine(16)
+def test_combine_shape_is_a_choice():
+    """An explicit combine shape reaches the plan for every split count; a shape the kernel
+    cannot take is refused by name, and one split has no combine."""
+    for n in (2, 16, 300):
+        assert plan_call(1, 32, 1 << 20, True, 64, H200, num_splits=n,
+                         combine=(2, 4)).combine == Combine(2, 4, True)
+    for bad in ((3, 4), (1, 16), (0, 1)):
+        with pytest.raises(ValueError, match="combine shape"):
+            mcomb.CombineKernel(*bad)
+    with pytest.raises(ValueError, match="one split"):
+        plan_call(1, 32, 64, True, 64, H200, num_splits=1, combine=(2, 4))
 
 
-def test_swapab_pair_switches(monkeypatch):
-    """Two consumers split Q's load, scaling and store (q_half, fp8) and the merge and writes of
-    the heads (xmerge) between them unless PDSERVE_MLA_SWAPAB_QHALF=0 / PDSERVE_MLA_SWAPAB_XMERGE
-    =0, which key the launcher's compile cache; one consumer does neither, bf16 no q_half."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
-    k, fn = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
-    assert k.q_half and k.xmerge
-    seen = {fn}
-    for var, attr in (("PDSERVE_MLA_SWAPAB_QHALF", "q_half"),
-                      ("PDSERVE_MLA_SWAPAB_XMERGE", "xmerge")):
-        monkeypatch.setenv(var, "0")
-        k0, fn0 = mc.main_variant(True, 32, 64, core="swapab", early_kv=True)
-        assert not getattr(k0, attr) and fn0 not in seen
-        seen.add(fn0)
-        monkeypatch.delenv(var)
-    assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is fn
-    k1 = mc.kernel_config(True, 32, 64, core="swapab", consumers=1)
+def test_pair_choices():
+    """Two fp8 consumers split Q's load, scaling and store (q_half) and the merge and writes of
+    the heads (xmerge) between them by default; either off is its own compiled kernel; one
+    consumer does neither and refuses them, bf16 has no q_half."""
+    v = variant(True, 32)
+    assert v.q_half and v.xmerge
+    seen = {compiled(v)}
+    for attr in ("q_half", "xmerge"):
+        v0 = variant(True, 32, **{attr: False})
+        assert not getattr(v0, attr) and compiled(v0) not in seen
+        seen.add(compiled(v0))
+    assert compiled(variant(True, 32)) is compiled(v)
+    k1 = kernel(True, 32, consumers=1)
     assert not k1.q_half and not k1.xmerge and k1.merge_bytes == 0
-    kb = mc.kernel_config(False, 32, 64, core="swapab", consumers=2)
+    for attr in ("q_half", "xmerge", "lazy_max"):
+        with pytest.raises(ValueError, match=attr):
+            kernel(True, 32, consumers=1, **{attr: True})
+    kb = kernel(False, 32, consumers=2)
     assert not kb.q_half and kb.xmerge
+    with pytest.raises(ValueError, match="q_half"):
+        kernel(False, 32, consumers=2, q_half=True)
 
 
 @pytest.mark.parametrize("B,L,H", [(1, 1, 12), (1, 8192, 32), (64, 131072, 32), (8, 1000, 12)])
 def test_split_choice(B, L, H):
-    s = mc.choose_num_splits(B, L, H)
-    assert 1 <= s <= max(1, -(-L // mc.TILE_N))
+    s = mp.choose_num_splits(B, L, 132)
+    assert 1 <= s <= max(1, -(-L // mp.TILE_N))
     assert B * s <= 132 or s == 1                # one wave of CTAs
-    assert mc.choose_num_splits(B, L, H, ctas_per_sm=2) <= max(2 * s, 1)
+    half = mp.choose_num_splits(B, L, 66)                # a device with half the SMs
+    assert half <= s and (B * half <= 66 or half == 1)
     if B == 1 and L >= 8192:
         assert s >= 64                           # small batch: spread a long context wide
 
 
-def test_choose_core_follows_the_h200_measurements():
-    # swapab everywhere (cutedsl.choose_core): bf16 and fp8, short and long, unknown length
-    for kv_fp8 in (False, True):
-        for H, L, B in ((32, 8192, 1), (12, 1024, 64), (12, None, 1), (32, 131072, 64)):
-            assert mc.choose_core(H, L, batch=B, kv_fp8=kv_fp8) == "swapab"
-    assert mc.plan_call(1, 32, 8192, True, None, False)[0] == "swapab"
+def test_device_properties_drive_the_plan():
+    """The plan is made for the device it is given: the split count fills its SMs, and the
+    ring takes the stages that fit its shared memory (a smaller budget, fewer stages, the same
+    choices otherwise)."""
+    small = Device(sm_count=66, smem_per_block=200 * 1024)
+    a, b = plan_call(1, 32, 32768, False, 64, H200), plan_call(1, 32, 32768, False, 64, small)
+    assert (a.num_splits, b.num_splits) == (132, 66)
+    assert b.attention.smem_limit == 200 * 1024
+    k_a = MlaDecodeKernel(variant(True, 32))
+    k_b = MlaDecodeKernel(plan_call(8, 32, 32768, True, 64, small).attention)
+    assert (k_a.stages, k_b.stages) == (4, 2)
+    with pytest.raises(ValueError, match="smem_limit"):
+        MlaDecodeKernel(replaced(variant(False, 32), smem_limit=150 * 1024))
 
 
-def test_call_consumers_one_for_short_fp8_splits(monkeypatch):
+def test_consumers_one_for_short_fp8_splits():
     """fp8 splits of at most 2 tiles get one consumer warpgroup, longer ones (or an unknown
-    length) two; bf16 one; the environment overrides, a bad value is named; the choice reaches
-    the compiled variant (its own cache entry)."""
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_CONSUMERS", raising=False)
+    length) two; bf16 one."""
     want = {(1, 1024): 1, (1, 8192): 1, (8, 1024): 1, (1, 32768): 2, (8, 8192): 2,
             (64, 1024): 2, (64, 131072): 2}
     for (B, L), n in want.items():
         for H in (12, 32):
-            core, splits, _ = mc.plan_call(B, H, L, True, None, True)
-            assert mc.call_consumers(core, True, L, splits) == n, (B, L, H, splits)
-            assert mc.call_consumers(core, False, L, splits) == 1
-    assert mc.call_consumers("swapab", True, None, 64) == 2        # length unknown
-    assert mc.call_consumers("swapab", True, 8192 + 1, 64) == 2    # 3 tiles in the longest
-    assert mc.call_consumers("wgmma", True, 8192, 64) is None
-    assert mc.kernel_config(True, 16, 64, core="swapab", consumers=1).consumers == 1
-    assert mc.kernel_config(True, 16, 64, core="swapab").consumers == 2
-    one = mc.compile_main(True, 16, 64, core="swapab", consumers=1)
-    assert one is not mc.compile_main(True, 16, 64, core="swapab", consumers=2)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
-    assert mc.call_consumers("swapab", True, 8192, 64) == 2
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "3")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_CONSUMERS='3'"):
-        mc.call_consumers("swapab", True, 8192, 64)
+            p = plan_call(B, H, L, True, 64, H200)
+            assert p.attention.consumers == n, (B, L, H, p.num_splits)
+            assert plan_call(B, H, L, False, 64, H200).attention.consumers == 1
+    assert mp.choose_consumers(True, None) == 2                          # length unknown
+    assert mp.choose_consumers(True, mp.split_tiles(8192 + 1, 64)) == 2   # 3 tiles, longest
+    assert plan_call(1, 32, None, True, 64, H200, num_splits=64).attention.consumers == 2
+    assert compiled(variant(True, 16, consumers=1)) is not compiled(variant(True, 16))
 
 
-def test_call_pool_only_for_long_splits(monkeypatch):
-    """The tile pool (fp8 default) is kept per call where the longest request's splits have at
-    least 32 tiles and there is more than one split: at the shapes the planner gives, B=8
-    L=32K / 128K and B=64 L >= 8K, not B=1 or B=8 L=8K (where it measured slower), not with
-    one split or an unknown length; with PDSERVE_MLA_SWAPAB_POOL set the switch decides for
-    every shape."""
-    monkeypatch.delenv("PDSERVE_MLA_SWAPAB_POOL", raising=False)
-    want = {(1, 8192): False, (1, 32768): False, (1, 131072): False, (8, 8192): False,
-            (8, 32768): True, (8, 131072): True, (64, 1024): False, (64, 8192): True,
-            (64, 131072): True}
+def test_pool_only_for_long_splits():
+    """The tile pool (fp8) is planned where the longest request's splits have at least 32
+    tiles and there is more than one split: at the planned shapes B=8 L=32K / 128K and
+    B=64 L >= 8K, not B=1 or B=8 L=8K (where it measured slower), not with one split or an
+    unknown length, never when deterministic (and asking for both is refused)."""
+    want = {(1, 8192): 0, (1, 32768): 0, (1, 131072): 0, (8, 8192): 0, (8, 32768): 4,
+            (8, 131072): 4, (64, 1024): 0, (64, 8192): 4, (64, 131072): 4}
     for (B, L), pool in want.items():
-        core, splits, _ = mc.plan_call(B, 32, L, True, None, True)
-        assert mc.call_pool(L, splits) == pool, (B, L, splits)
-    assert mc.call_pool(64 * 64, 2) and not mc.call_pool(62 * 64, 2)
-    assert not mc.call_pool(4096 * 64, 1)                # one split: no pool to share
-    assert not mc.call_pool(None, 2)
-    # the launcher's variant for a planned call carries that choice (and determinism's)
-    for (B, L), pool_div in {(8, 32768): 4, (1, 8192): 0}.items():
-        core, splits, groups = mc.plan_call(B, 32, L, True, None, True)
-        k = mc.call_variant(True, 32 // groups, 64, core, True, groups, L, splits)[0]
-        assert k.pool_div == pool_div, (B, L)
-    assert mc.call_variant(True, 32, 64, "swapab", True, 1, 32768, 16,
-                           deterministic=True)[0].pool_div == 0
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
-    assert mc.call_pool(8192, 64) and mc.call_pool(None, 2)
+        assert plan_call(B, 32, L, True, 64, H200).attention.pool_div == pool, (B, L)
+        assert plan_call(B, 32, L, True, 64, H200, deterministic=True).attention.pool_div == 0
+        assert plan_call(B, 32, L, False, 64, H200).attention.pool_div == 0
+    assert mp.choose_pool_div(True, 64 * 64, 2, False) == 4
+    assert mp.choose_pool_div(True, 62 * 64, 2, False) == 0
+    assert mp.choose_pool_div(True, 4096 * 64, 1, False) == 0       # one split: no pool
+    assert mp.choose_pool_div(True, None, 2, False) == 0
+    with pytest.raises(ValueError, match="not deterministic"):
+        plan_call(8, 32, 32768, True, 64, H200, deterministic=True, pool_div=4)
+    for bad in (3, 16):
+        with pytest.raises(ValueError, match=f"pool_div={bad}"):
+            kernel(True, 32, pool_div=bad)
 
 
-def test_plan_call_fills_two_ctas_per_sm_for_the_fp8_mma_variant():
-    assert mc.plan_call(64, 12, 32768, True, "mma", False) == ("mma", 4, 1)
-    assert mc.plan_call(64, 12, 32768, True, "auto", False) == ("swapab", 2, 1)
-    assert mc.plan_call(64, 12, 32768, False, "auto", False) == ("swapab", 2, 1)
-    assert mc.plan_call(64, 32, 32768, True, "mma", False) == ("mma", 2, 1)  # h_pad 32: 1 CTA/SM
-    assert mc.plan_call(1, 12, 8192, True, "wgmma", False, num_splits=7) == ("wgmma", 7, 1)
-
-
-def test_plan_call_head_groups():
-    # short H = 32 problems spread their heads over 2 CTAs per split (swapab only); the splits
-    # then fill the SMs for B * 2 requests (choose_head_groups)
-    assert mc.plan_call(1, 32, 8192, True, "swapab", False) == ("swapab", 64, 2)
-    assert mc.plan_call(8, 32, 8192, True, "swapab", False) == ("swapab", 8, 2)
-    assert mc.plan_call(8, 32, 32768, True, "swapab", False) == ("swapab", 16, 1)
-    assert mc.plan_call(64, 32, 1024, False, "swapab", False) == ("swapab", 1, 2)
-    assert mc.plan_call(1, 32, 8192, False, "swapab", False) == ("swapab", 64, 1)
-    assert mc.plan_call(1, 12, 1024, False, "swapab", False)[2] == 1
-    assert mc.plan_call(1, 32, 8192, False, "swapab", False, head_groups=1)[2] == 1
-    with pytest.raises(ValueError, match="head_groups=2 needs the swapab core"):
-        mc.plan_call(1, 32, 8192, False, "mma", False, head_groups=2)
+def test_plan_head_groups():
+    """Short H = 32 problems spread their heads over 2 CTAs per split; the splits then fill the
+    SMs for B * 2 requests."""
+    def got(B, H, L, fp8, **kw):
+        p = plan_call(B, H, L, fp8, 64, H200, **kw)
+        return p.num_splits, p.head_groups
+    assert got(1, 32, 8192, True) == (64, 2)
+    assert got(8, 32, 8192, True) == (8, 2)
+    assert got(8, 32, 32768, True) == (16, 1)
+    assert got(64, 32, 1024, False) == (1, 2)
+    assert got(1, 32, 8192, False) == (64, 1)
+    assert got(1, 12, 1024, False)[1] == 1
+    assert got(1, 32, 8192, False, head_groups=1)[1] == 1
     with pytest.raises(ValueError, match="divide H=31"):
-        mc.plan_call(1, 31, 8192, False, "swapab", False, head_groups=2)
+        got(1, 31, 8192, False, head_groups=2)
+    one = compiled(variant(False, 16))
+    two = compiled(variant(False, 16, head_groups=2))
+    assert one is not two and compiled(variant(False, 16, head_groups=2)) is two
 
 
-def test_swapab_head_groups_compile_as_their_own_variant():
-    one = mc.compile_main(False, 16, 64, core="swapab")
-    two = mc.compile_main(False, 16, 64, core="swapab", head_groups=2)
-    assert one is not two and mc.compile_main(False, 16, 64, core="swapab", head_groups=2) is two
-
-
-@pytest.mark.parametrize("core,kv_fp8", [("mma", False), ("mma", True), ("wgmma", False),
-                                         ("wgmma", True), ("swapab", False),
-                                         ("swapab", True)])
-def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, core, kv_fp8):
-    # default: one griddepcontrol.wait at the kernel's entry, ahead of every global access;
-    # early_kv: none at entry, one in the empty-split branch and one after the KV loads are
-    # issued (before Q is read) -- two in the PTX; the swapab fp8 tile pool's producer waits
-    # once more before its first draw (the counters as the previous call left them)
-    pool = int(core == "swapab" and mc.kernel_config(kv_fp8, 16, 64, core=core).pool)
-    waits = {}
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_early_kv_moves_the_pdl_wait_behind_the_cache_loads(tmp_path, kv_fp8):
+    """early_kv (the plan's default): no wait at entry, one in the empty-split branch and one
+    after the KV loads are issued (before Q is read) -- two in the PTX; the fp8 tile pool's
+    producer waits once more before its first draw (the counters as the previous call left
+    them). early_kv=False: one wait at entry, ahead of every global access."""
+    assert variant(kv_fp8, 16).early_kv
+    waits, pool = {}, 0
     for early in (False, True):
-        dump = tmp_path / f"{core}-{kv_fp8}-{early}"
-        dump.mkdir()
-        mc.compile_main(kv_fp8, 16, 64, core=core, early_kv=early, dump_dir=str(dump))
-        ptx = "".join(p.read_text() for p in dump.glob("*.ptx"))
+        v = variant(kv_fp8, 16, early_kv=early)
+        pool = int(v.pool_div > 0)
+        ptx = dump(v, tmp_path, f"e{int(early)}").artifacts.PTX
         waits[early] = ptx.count("griddepcontrol.wait")
         assert ptx.count("griddepcontrol.launch_dependents") == 1
+    assert pool == int(kv_fp8)
     assert waits == {False: 1, True: 2 + pool}, waits
 
 
@@ -896,8 +839,8 @@ def test_check_inputs_names_the_problem():
         a.update(kw)
         return a
 
-    mc.check_inputs(**args())
-    mc.check_inputs(**args(kv_cache=torch.zeros(5, 128, 576).to(torch.float8_e4m3fn),
+    ml.check_inputs(**args())
+    ml.check_inputs(**args(kv_cache=torch.zeros(5, 128, 576).to(torch.float8_e4m3fn),
                            out=torch.zeros(B, H, 512, dtype=torch.bfloat16),
                            lse=torch.zeros(B, H), num_splits=7))
     bad = {
@@ -921,48 +864,49 @@ def test_check_inputs_names_the_problem():
     }
     for msg, a in bad.items():
         with pytest.raises(ValueError, match=msg):
-            mc.check_inputs(**a)
+            ml.check_inputs(**a)
 
 
-def test_swapab_fp8_qk_joint_override(monkeypatch, tmp_path):
-    """The joint S^T is the default at h_pad 16 only; PDSERVE_MLA_SWAPAB_QK_JOINT=0 (A/B runs)
-    restores the two-term form there (36 wgmma of N = 16, no spill); other values are refused."""
-    assert mc.kernel_config(True, 16, 64, core="swapab").qk_joint
-    assert not mc.kernel_config(True, 32, 64, core="swapab").qk_joint
-    assert not mc.kernel_config(False, 16, 64, core="swapab").qk_joint
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QK_JOINT", "0")
-    k = mc.kernel_config(True, 16, 64, core="swapab")
-    assert not k.qk_joint
-    fn = mc.compile_main(True, 16, 64, core="swapab", dump_dir=str(tmp_path))
+def test_unknown_choice_is_refused():
+    """A misspelt choice is a TypeError, never silently ignored (it would run another
+    variant than asked)."""
+    with pytest.raises(TypeError, match="consumer"):
+        plan_call(1, 32, 8192, True, 64, H200, consumer=2)
+
+
+def test_fp8_qk_joint(tmp_path):
+    """The joint S^T is the default at h_pad 16 for the two-term query only; qk_joint=False
+    restores the two-term form there (36 wgmma of N = 16, no spill); the kernel refuses it at
+    h_pad 32 (its chunk accumulators would spill) and with the single query (no Q_lo)."""
+    assert variant(True, 16, fp8_query="split").qk_joint
+    assert not variant(True, 16).qk_joint                       # single query
+    assert not variant(True, 32, fp8_query="split").qk_joint
+    assert not variant(False, 16).qk_joint
+    fn = dump(variant(True, 16, fp8_query="split", qk_joint=False), tmp_path)
     qk_op, n_qk = _fp8_qk_wgmma(16, False)
     assert fn.artifacts.PTX.count(qk_op) == n_qk
     assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QK_JOINT", "yes")
-    with pytest.raises(ValueError, match="PDSERVE_MLA_SWAPAB_QK_JOINT"):
-        mc.kernel_config(True, 16, 64, core="swapab")
+    for kw in (dict(h_pad=32, fp8_query="split"), dict(h_pad=16)):
+        with pytest.raises(ValueError, match="qk_joint"):
+            kernel(True, qk_joint=True, **kw)
 
 
-def test_swapab_tile_pool_compiles(monkeypatch, tmp_path):
-    """PDSERVE_MLA_SWAPAB_POOL=4: the producer draws pool tiles with a relaxed atomic add (two
-    call sites: the first draw and the loop's), counts itself done with one acq_rel add, and
-    ends each consumer's loop with a transaction completed without data (one per consumer);
-    the fp8 default (4; bf16 and deterministic none) and its compile-cache entries; no spill at
-    fp8."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
-    assert mc.kernel_config(True, 32, 64, core="swapab").pool_div == 4       # the fp8 default
-    assert mc.kernel_config(False, 32, 64, core="swapab").pool_div == 0      # bf16: none
-    assert mc.kernel_config(True, 32, 64, core="swapab", deterministic=True).pool_div == 0
-    det = mc.main_variant(True, 32, 64, core="swapab", early_kv=True, deterministic=True)[1]
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "0")
-    assert mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is det
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", "4")
-    k = mc.kernel_config(True, 32, 64, core="swapab")
-    assert k.pool and mc.main_variant(True, 32, 64, core="swapab", early_kv=True)[1] is not det
-    assert mc.kernel_config(True, 32, 64, core="swapab", deterministic=True).pool_div == 0
-    fn = mc.compile_main(True, 32, 64, core="swapab", dump_dir=str(tmp_path), early_kv=True)
-    ptx = fn.artifacts.PTX
+def test_tile_pool_compiles(tmp_path):
+    """pool_div 4: the producer draws pool tiles with a relaxed atomic add (two call sites: the
+    first draw and the loop's), counts itself done with one acq_rel add, and ends each
+    consumer's loop with a transaction completed without data (one per consumer); without the
+    pool (deterministic, or pool_div=0: the same variant) none of it; no spill at fp8."""
+    pooled = variant(True, 32)
+    det = plan_call(8, 32, 32768, True, 64, H200, deterministic=True).attention
+    assert pooled.pool_div == 4 and det.pool_div == 0
+    assert variant(True, 32, pool_div=0) == det
+    assert compiled(variant(True, 32, pool_div=0)) is compiled(det) is not compiled(pooled)
+    k = MlaDecodeKernel(pooled)
+    ptx = dump(pooled, tmp_path, "pool").artifacts.PTX
     assert re.findall(r"atom\.[\w.]+", ptx) == ["atom.global.add.u32"] * 2 + [
         "atom.global.acq_rel.add.u32"]
     assert ptx.count("mbarrier.complete_tx.shared::cta.b64") == 2
     assert re.search(rf"mbarrier\.complete_tx\.shared::cta\.b64 \[%r\d+\], {k.tma_bytes};", ptx)
-    assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0
+    assert cubin_resources(dump(pooled, tmp_path, "pool2").artifacts.CUBIN)["stack"] == 0
+    det_ptx = dump(det, tmp_path, "det").artifacts.PTX
+    assert "atom.global" not in det_ptx and "mbarrier.complete_tx" not in det_ptx

@@ -1,4 +1,4 @@
-"""A CPU model of the swapab kernel's lazy column maxima (swapab.py, "Lazy column maxima").
+"""A CPU model of the MLA decode kernel's lazy column maxima (attention.py, "Lazy column maxima").
 
 One head's scores in log2 units, 64-token tiles of 4 warps x 16 token rows. The running maximum
 moves only in an exact step: the first tile, or a tile where some warp's maximum exceeds it by
@@ -9,14 +9,14 @@ two consumers each run this on their own tiles and are merged exactly afterwards
 
 Checked against a float64 softmax: the output and the LSE stay exact, and P stays within 2^slack,
 inside fp16. The numbers of exact steps are checked too. A model without the rise check overflows
-fp16 on a step in the scores. The GPU tests (test_swapab_fp8_lazy_maxima) run the kernel itself;
+fp16 on a step in the scores. The GPU tests (test_fp8_lazy_maxima) run the kernel itself;
 this runs in CI.
 """
 import math
 
 import pytest
 import torch
-from pdserve.kernels.mla_decode.swapab import LAZY_MAX_SLACK
+from pdserve.kernels.mla_decode.attention import LAZY_MAX_SLACK
 
 TILE, WARP_ROWS = 64, 16
 

@@ -1,7 +1,7 @@
-"""The swapab kernel's TMA ring with one or two consumer warpgroups, as a model checked over every
+"""The MLA decode attention kernel's TMA ring with one or two consumer warpgroups, as a model checked over every
 order of events (CPU, no CuTe DSL needed for the model itself).
 
-The kernel (kernels/mla_decode/swapab.py): tile i of a split goes to stage i % S, and its
+The kernel (kernels/mla_decode/attention.py): tile i of a split goes to stage i % S, and its
 full barrier completes one phase when the tile's TMA lands; consumer c takes tiles c, c + C, ...
 and waits with mbarrier try_wait.parity((i // S) % 2), which passes once the barrier's current
 phase parity differs from that value -- so it also passes, at once, while the barrier is still in
@@ -68,15 +68,18 @@ def test_model_safe_rings(stages):
         assert not stale_wait_possible(stages, 2)
 
 
-def test_every_swapab_variant_uses_a_safe_ring():
+def test_every_kernel_variant_uses_a_safe_ring():
     pytest.importorskip("cutlass")
-    from pdserve.kernels.mla_decode.cutedsl import kernel_config
+    from pdserve.kernels.mla_decode.attention import MlaDecodeKernel
+    from pdserve.kernels.mla_decode.plan import Device, plan_call
+    h200 = Device(sm_count=132, smem_per_block=232448)
     seen = set()
     for kv_fp8 in (False, True):
         for h_pad in (16, 32):
             for consumers in (1, 2):
                 for page in (64, 128, 256):
-                    k = kernel_config(kv_fp8, h_pad, page, "swapab", True, 1, consumers)
+                    plan = plan_call(8, h_pad, 32768, kv_fp8, page, h200, consumers=consumers)
+                    k = MlaDecodeKernel(plan.attention)
                     seen.add((k.stages, k.consumers))
                     assert not stale_wait_possible(k.stages, k.consumers), (
                         kv_fp8, h_pad, consumers, page, k.stages)

@@ -1,4 +1,4 @@
-"""The swapab kernel's tile pool (PDSERVE_MLA_SWAPAB_POOL=N, kernels/mla_decode/swapab.py
+"""The MLA decode kernel's tile pool (pool_div = N, kernels/mla_decode/attention.py
 `_produce`) as a model run over random event orders (CPU, no CuTe DSL needed).
 
 With more than one split, each split of a request keeps the first tps - tail of its tps tiles

@@ -1,10 +1,23 @@
 """Absorbed MLA decode attention over the paged latent cache (op "mla_decode").
 
-Backends: "reference" (torch, any device) and "cutedsl" (Hopper sm_90a, CuTe DSL split-KV kernel
-+ LSE combine). Signature of both:
+Backends: "reference" (torch, any device: the model's absorbed attention over the gathered
+rows) and "cutedsl" (Hopper sm_90a: the CuTe DSL split-KV attention kernel + LSE combine).
+Signature of both:
 
     impl(q [B, H, 576], kv_cache [num_pages, page_tokens, 576], block_table [B, max_pages] int32,
-         seq_lens [B] int32, softmax_scale, kv_scale=None, **opts) -> (out [B, H, 512], lse [B, H])
+         seq_lens [B] int32, softmax_scale, kv_scale=None, **choices) -> (out [B, H, 512], lse [B, H])
+
+The package, by concept:
+    reference.py  the torch reference (paged gather + pdserve.model.mla.absorbed_attention)
+    query.py      the fp8 kernel's query roundings in torch (the reference mirrors them)
+    plan.py       the launch plan: every tuning choice, its default, the device's properties
+    attention.py  the attention kernel (heads as the wgmma N; bf16 and fp8 caches)
+    combine.py    the split-KV LSE combine kernel (and its formula in torch)
+    common.py     sizes and device pieces both kernels share
+    launch.py     compile cache, argument checks, the launcher `mla_decode_cutedsl`
+
+The registry's "cutedsl" entry is `mla_decode_cutedsl` with the plan's defaults (plan.py), the
+ones the benchmark's figures measure; `choices` (e.g. fp8_query, deterministic) override them.
 
 Query absorption (W_UK^T q_nope), W_UV (512 -> 128 per head) and the sigmoid output gate are not
 part of this op: they stay in torch in the decode runtime (`MLAAttention._fused_decode`, which the
@@ -16,7 +29,7 @@ from typing import Any, Mapping
 
 from pdserve.kernels import registry
 from pdserve.kernels.mla_decode.reference import (
-    HEAD_DIM, LATENT_DIM, ROPE_DIM, merge_partials, mla_decode_reference)
+    HEAD_DIM, LATENT_DIM, ROPE_DIM, mla_decode_reference)
 
 OP = "mla_decode"
 SUPPORTED_HEADS = tuple(range(1, 33))        # padded to 16 or 32 inside the kernel
@@ -28,8 +41,10 @@ def _name(dt: Any) -> str:
     return str(dt).replace("torch.", "")
 
 
-def problem_from_tensors(q, kv_cache, block_table=None, seq_lens=None, *_op_args) -> dict:
-    """The guard's view of a call (takes the op's positional arguments; the rest are unused)."""
+def problem_from_tensors(q, kv_cache, block_table=None, seq_lens=None, *_op_args,
+                         **_choices) -> dict:
+    """The guard's view of a call (takes the op's arguments; only the tensors' shapes, dtypes
+    and device matter)."""
     import torch
     cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     return {
@@ -68,12 +83,12 @@ def cutedsl_guard(problem: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _cutedsl_impl(*args, **kwargs):
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
-    return mla_decode_cutedsl(*args, **kwargs)
+def _cutedsl_impl(*args, **choices):
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl
+    return mla_decode_cutedsl(*args, **choices)
 
 
 registry.register(OP, "reference", mla_decode_reference)
 registry.register(OP, "cutedsl", _cutedsl_impl, cutedsl_guard)
 
-__all__ = ["OP", "cutedsl_guard", "merge_partials", "mla_decode_reference", "problem_from_tensors"]
+__all__ = ["OP", "cutedsl_guard", "mla_decode_reference", "problem_from_tensors"]

@@ -1,16 +1,14 @@
 """The split-KV combine of the CuTe DSL MLA decode: each (request, head)'s split partials merged
-exactly by their LSEs (the formula of reference.merge_partials), with the shape (column chunks,
-split groups) chosen per call."""
+exactly by their LSEs (`merge_partials` is the formula in torch). Its shape (column chunks, split
+groups) is the launch plan's choice (plan.choose_combine)."""
 from __future__ import annotations
-
-import os
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from pdserve.kernels.mla_decode.common import (D_V, LN_2, LOG2_E, NUM_SMS_H200, result_tensors,
-                                               softmax_norm)
+from pdserve.kernels.mla_decode.common import D_V, LN_2, LOG2_E, result_tensors, softmax_norm
+from pdserve.kernels.mla_decode.plan import COMBINE_UNROLL, MAX_SPLITS, Combine
 
 _COMPILED: dict = {}
 
@@ -27,26 +25,29 @@ class CombineKernel:
     splits g, g + groups, ..., and the groups' partial sums are added in a fixed order.
 
     The combine is latency-bound at small batch (B = 1 has only H CTAs per chunk): with one group
-    and 4 loads in flight, 128 splits took ~32 dependent DRAM round trips (~20 us on the H200);
-    with 4 groups, ~4. Many splits (`choose_combine`) spread each head over 2-8 column chunks
-    of 8-32 groups, one round trip of loads per thread.
+    and 4 loads in flight, 128 splits take ~32 dependent DRAM round trips; with 4 groups, ~4.
+    Many splits (plan.choose_combine) spread each head over 2-8 column chunks of 8-32 groups,
+    one round trip of loads per thread.
 
     Every kernel here is launched with programmatic dependent launch (PDL) and triggers its
     dependents on entry, then waits (griddepcontrol.wait) before its first global access: the
     next grid becomes resident while the current one runs (the launch latency is hidden), and
     no read or write moves ahead of the kernel before it, so callers need no extra contract."""
 
-    unroll = 8
-    max_splits = 1024
+    unroll = COMBINE_UNROLL
+    max_splits = MAX_SPLITS
 
     def __init__(self, chunks: int = 1, groups: int = 4, partial_dtype=Float32):
-        assert (D_V // 4) % chunks == 0 and groups >= 1, (chunks, groups)
-        self.partial_dtype = partial_dtype    # the main kernel's (Float32 or BFloat16)
+        cols = D_V // 4 // chunks if chunks > 0 and (D_V // 4) % chunks == 0 else 0
+        if not cols or groups < 1 or (cols * groups) % 32 or cols * groups > 1024:
+            raise ValueError(f"combine shape ({chunks}, {groups}): chunks must divide "
+                             f"{D_V // 4} and {D_V // 4} / chunks x groups threads be a "
+                             "multiple of 32, at most 1024")
+        self.partial_dtype = partial_dtype    # the attention kernel's (Float32 or BFloat16)
         self.chunks = chunks
         self.groups = groups
-        self.cols = D_V // 4 // chunks                # threads per group (4 columns each)
-        self.num_threads = self.cols * groups
-        assert self.num_threads % 32 == 0 and self.num_threads <= 1024, self.num_threads
+        self.cols = cols                              # threads per group (4 columns each)
+        self.num_threads = cols * groups
 
     @cute.jit
     def __call__(self, op_ptr: cute.Pointer, lsep_ptr: cute.Pointer, o_ptr: cute.Pointer,
@@ -157,67 +158,44 @@ class CombineKernel:
                     mLse[b, h] = m + lg * LN_2
 
 
-# combine shapes (column chunks, groups): few splits read little per (request, head); many splits
-# (B = 1 long contexts) spread each head over several CTAs of many groups, shaped by whether the
-# attention grid left SMs free (choose_combine)
-COMBINE_FEW = (1, 1)
-COMBINE_NARROW = (1, 4)
-COMBINE_WIDE = (8, 32)                    # many splits, attention grid filling the GPU
-COMBINE_WIDE_BESIDE = (4, 8)              # many splits, fp32 partials, SMs left free
-COMBINE_WIDE_BESIDE_BF16 = (2, 8)         # the same with bf16 partials
-COMBINE_WIDE_MIN_SPLITS = 32
-
-
-def choose_combine(num_splits: int, main_ctas: int | None = None,
-                   fp32_partials: bool = True) -> tuple[int, int]:
-    """(column chunks, split groups) of the combine for `num_splits` splits after an attention
-    grid of `main_ctas` CTAs (None: taken as filling the GPU).
-      * <= UNROLL splits: one group, every split among a thread's first loads (H200, session 7,
-        B=64 L=8K with 2 splits: fp8 H=12 89.3 -> 83.2 us, H=32 123.1 -> 109.7, bf16 H=32
-        159.8 -> 149.0 against 4 groups, of which 2 idle); up to 31: 4 groups.
-      * >= 32 splits (B <= 4 with long contexts, e.g. B = 1 from L = 4K): the shape that was
-        fastest on the H200 in session 13's sweep of 13 shapes (results/
-        mla_decode_h200_combine_shapes_session13.json, B=1, early_kv, swapab core, two to
-        three machine starts; the combine adds 2.6-4.5 us to a 5-43 us attention kernel
-        there; calls on the other cores follow the same rule, unmeasured). Where the attention
-        grid fills the GPU (>= 3/4 of the SMs; the cells had 128 or 132 CTAs) 8 chunks of 32
-        groups: fp8 H=32 L=8K 10.3 -> 10.1 us, L=32K 19.4 -> 17.5, L=128K 36.5 -> 35.5, bf16
-        H=32 L=32K 19.7 -> 18.9 (L=128K unchanged) against the previous 4 x 16. Where it
-        leaves SMs free (the cells had 64 CTAs; 65-127 were not measured), on which the
-        combine's CTAs can become resident early: 4 chunks of 8 groups for fp32 partials (bf16
-        H=32 L=8K 10.9 -> 10.0, H=12 8.1 -> 7.3), 2 x 8 for bf16 partials (fp8 H=12 L=8K
-        9.2 -> 8.9).
-      * PDSERVE_MLA_COMBINE="chunks,groups" forces a shape for every call (A/B runs). Session 21
-        (B=8 L=32K, 16 splits, 4 groups; results/mla_decode_h200_session21.json): 2 x 4 was
-        +0.5 % at fp8 H=32 (single query), 1 x 2 and 2 x 2 +1.4 % at bf16 H=32, none better
-        at fp8 H=12: within the noise of one machine, the rule kept."""
-    env = os.environ.get("PDSERVE_MLA_COMBINE", "")      # A/B runs: "chunks,groups"
-    if env:
-        try:
-            chunks, groups = (int(x) for x in env.split(","))
-            CombineKernel(chunks, groups)
-        except (TypeError, ValueError, AssertionError):
-            raise ValueError(f"PDSERVE_MLA_COMBINE={env!r}: 'chunks,groups' with chunks "
-                             "dividing 128 and 128 / chunks x groups threads a multiple of 32, "
-                             "at most 1024") from None
-        return chunks, groups
-    if num_splits < COMBINE_WIDE_MIN_SPLITS:
-        return COMBINE_FEW if num_splits <= CombineKernel.unroll else COMBINE_NARROW
-    if main_ctas is None or 4 * int(main_ctas) >= 3 * NUM_SMS_H200:
-        return COMBINE_WIDE
-    return COMBINE_WIDE_BESIDE if fp32_partials else COMBINE_WIDE_BESIDE_BF16
-
-
-def compile_combine(shape: tuple[int, int] = COMBINE_NARROW, partial_dtype=Float32):
-    """Compiled LSE combine kernel for (column chunks, groups) and the partials' element type
-    (cached for the process)."""
-    key = ("combine",) + tuple(shape) + (partial_dtype.__name__,)
-    if key not in _COMPILED:
+def compile_combine(variant: Combine):
+    """(kernel object, compiled kernel) of the combine `variant`, cached for the process."""
+    if variant not in _COMPILED:
         from cutlass.cute.runtime import make_ptr
         from cutlass.runtime import make_fake_stream
         G = cute.AddressSpace.gmem
         P = lambda dt: make_ptr(dt, 0, G, assumed_align=16)
-        k = CombineKernel(*shape, partial_dtype=partial_dtype)
-        _COMPILED[key] = (k, cute.compile(k, P(partial_dtype), P(Float32), P(BFloat16), P(Float32),
-                                          Int32(1), Int32(1), Int32(2), make_fake_stream()))
-    return _COMPILED[key][1]
+        k = CombineKernel(variant.chunks, variant.groups,
+                          BFloat16 if variant.bf16_partials else Float32)
+        pdt = k.partial_dtype
+        _COMPILED[variant] = (k, cute.compile(k, P(pdt), P(Float32), P(BFloat16), P(Float32),
+                                              Int32(1), Int32(1), Int32(2),
+                                              make_fake_stream()))
+    return _COMPILED[variant]
+
+
+def merge_partials(outs, lses):
+    """The combine's formula in torch: the exact LSE merge of partial attention results over
+    disjoint token sets.
+
+    outs: [S, ..., D] (or a sequence of S tensors [..., D]), each normalized over its own
+    tokens; lses: [S, ...] natural-log softmax denominators (-inf for an empty part).
+    Returns (out [..., D] fp32, lse [...] fp32). A position whose parts are all empty gets
+    out 0 and lse -inf.
+    """
+    import torch
+    if not torch.is_tensor(outs):
+        outs = torch.stack(list(outs))
+    if not torch.is_tensor(lses):
+        lses = torch.stack(list(lses))
+    outs = outs.float()
+    lses = lses.float()
+    m = lses.amax(dim=0)                                      # [...]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lses - m_safe)                              # [S, ...]; 0 for empty parts
+    denom = w.sum(dim=0)                                      # [...]
+    # empty parts may carry garbage (even NaN) in outs: never let it through
+    contrib = torch.where(w[..., None] > 0, outs, torch.zeros_like(outs)) * w[..., None]
+    out = contrib.sum(dim=0) / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+    lse = torch.where(denom > 0, m_safe + torch.log(denom), torch.full_like(m, -float("inf")))
+    return out, lse

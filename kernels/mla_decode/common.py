@@ -1,9 +1,7 @@
-"""Shared pieces of the CuTe DSL MLA decode kernels (mma.py, wgmma.py, swapab.py, combine.py):
-the sizes, the launch's tensor views, a split's tile range, the TMA producer, raw fp8 byte
-conversions, shared-memory word loads, and the reader of the A/B switches."""
+"""Shared pieces of the CuTe DSL MLA decode kernels (attention.py, combine.py): the sizes, the
+launch's tensor views, a split's tile range, the TMA producer, raw fp8 byte conversions,
+shared-memory word loads and the softmax normalization."""
 from __future__ import annotations
-
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -12,26 +10,16 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from pdserve.kernels.mla_decode.plan import TILE_N
+
 D_QK = 576
 D_V = 512
-TILE_N = 64                       # tokens per tile; a tile never straddles a page
-SMEM_LIMIT = 227 * 1024           # sm_90 opt-in dynamic smem per block
-# two CTAs per SM: 228 KB per SM, 1 KB of it reserved per resident CTA
-SMEM_2CTA = 228 * 1024 // 2 - 1024
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
-NUM_SMS_H200 = 132
-
-
-def swizzled_atom(cols: int):
-    bits = {64: 3, 32: 2, 16: 1}[cols]
-    return cute.make_composed_layout(
-        cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, cols), stride=(cols, 1)))
-
 
 def query_tensors(q_ptr, bt_ptr, batch, heads, max_pages):
-    """mQ [B, H, 576] and the block table [B, max_pages] over the launch's pointers (both cores)."""
+    """mQ [B, H, 576] and the block table [B, max_pages] over the launch's pointers."""
     mQ = cute.make_tensor(q_ptr, cute.make_layout(
         (batch, heads, D_QK), stride=(cute.assume(heads * D_QK, divby=64), D_QK, 1)))
     mBT = cute.make_tensor(bt_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
@@ -40,7 +28,7 @@ def query_tensors(q_ptr, bt_ptr, batch, heads, max_pages):
 
 def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_splits):
     """(mO [B, H, 512], mLse [B, H], mOp [S, B, H, 512], mLsep [S, B, H], mSeq [B]): the final and
-    the per-split outputs as the cores write them and the combine reads them (mSeq None when
+    the per-split outputs as the attention kernel writes them and the combine reads them (mSeq None when
     seq_ptr is: the combine reads no seq_lens)."""
     mO = cute.make_tensor(o_ptr, cute.make_layout(
         (batch, heads, D_V), stride=(cute.assume(heads * D_V, divby=64), D_V, 1)))
@@ -58,7 +46,7 @@ def result_tensors(o_ptr, lse_ptr, op_ptr, lsep_ptr, seq_ptr, batch, heads, num_
 @cute.jit
 def split_tile_range(mSeq: cute.Tensor, breq: Int32, split: Int32, num_splits: Int32,
                      early_kv: cutlass.Constexpr):
-    """Entry of every main kernel (the three cores). PDL both ways: the combine may become
+    """Entry of the attention kernel. PDL both ways: the combine may become
     resident now (it waits for our partials), and nothing is read or written before the previous
     kernel in the stream completed -- with early_kv the caller's wait comes later, after its
     seq_lens, block-table and KV-cache reads. Returns (seqlen, t_begin, t_end): this split's
@@ -108,7 +96,7 @@ def tma_load_tile(tma_atom: cute.CopyAtom, tKs: cute.Tensor, tKg: cute.Tensor, m
 def tma_produce_tiles(tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, sRing: cute.Tensor,
                       mBT: cute.Tensor, breq: Int32, t_begin: Int32, t_end: Int32,
                       tiles_per_page: cutlass.Constexpr, producer):
-    """The TMA producer warp of the wgmma core (wgmma.py): tiles [t_begin, t_end) of request
+    """The TMA producer warp without the tile pool: tiles [t_begin, t_end) of request
     `breq`, each a [64, 576] TMA into the next stage of the ring `sRing` ([64, 576, stages])
     once the pipeline `producer` has it free."""
     tKs, tKg = tma_tile_views(tma_atom, mKV_tma, sRing)
@@ -120,7 +108,7 @@ def tma_produce_tiles(tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, sRing: cute
 @cute.jit
 def copy_q_rows(copy_q: cute.TiledCopy, tQg: cute.Tensor, tQs: cute.Tensor, tQc: cute.Tensor,
                 heads: Int32):
-    """cp.async of this thread's query rows into shared memory (the warpgroup cores' Q load):
+    """cp.async of this thread's query rows into shared memory (the bf16 Q load):
     rows < heads from global, the padding rows >= heads zeroed."""
     for m in cutlass.range_constexpr(cute.size(tQs.shape[1])):
         if tQc[0, m, 0][0] < heads:
@@ -130,8 +118,7 @@ def copy_q_rows(copy_q: cute.TiledCopy, tQg: cute.Tensor, tQs: cute.Tensor, tQc:
 
 
 def wgmma_c_mn_view(t):
-    """wgmma C fragment ((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)) rows / cols
-    (the warpgroup cores: wgmma.py, swapab.py)."""
+    """wgmma C fragment ((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)) rows / cols."""
     l = cute.make_layout(t.layout.shape)
     v, vs = l.shape[0], l.stride[0]
     mn = cute.make_layout(((v[1], l.shape[1]), (v[0], v[2], l.shape[2])),
@@ -173,22 +160,7 @@ def softmax_norm(total: Float32, out_scale) -> tuple[Float32, Float32]:
     """(out_scale / total, log2 total) for a softmax sum total >= 1 (it holds the maximum's own
     term), from the MUFU approximations rcp.approx (~1 ulp) and lg2.approx (~2^-22 absolute):
     the IEEE division and the accurate log2 cost ~25 dependent instructions a column, which the
-    epilogue's single warp a scheduler cannot hide (H200, session 26: B=1 L=8K bf16 H=32
-    10.0-10.1 -> 9.4-9.6 us, results/mla_decode_h200_fastnorm_session26.json)."""
+    epilogue's single warp a scheduler cannot hide. Far below the bf16 output's and the fp32
+    partials' rounding."""
     return out_scale * cute.arch.rcp_approx(total), cute.math.log2(total, fastmath=True)
 
-
-def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The A/B switch `name` from the environment: "" when unset, else one of `choices`; any other
-    value is refused with a ValueError naming the variable."""
-    value = os.environ.get(name, "")
-    if value and value not in choices:
-        raise ValueError(f"{name}={value!r}: must be {' or '.join(choices)}")
-    return value
-
-
-def swapab_pool_div(kv_fp8: bool, deterministic: bool) -> int:
-    """The swapab kernel's tile pool: 1 / pool_div of each split's tiles pooled, 0 = none
-    (MlaDecodeSwapAbKernel.pool_div; the launcher asks it too, without building the kernel)."""
-    pool = env_choice("PDSERVE_MLA_SWAPAB_POOL", ("0", "2", "4", "8"))
-    return 0 if deterministic else int(pool) if pool else 4 if kv_fp8 else 0

@@ -59,11 +59,12 @@ def kda_step_for(backend: str):
 
 def mla_step_for(backend: str, fp8_query: str | None = None, deterministic: bool = False):
     """The MLA decode attention over the paged cache (`pdserve.kernels.mla_decode`) for
-    `backend`, or None. `fp8_query`: the kernel's query with an fp8 latent pool ("single" |
-    "split"; None: the kernel's default, "single"); `deterministic`: bit-identical results from
-    run to run (see mla_decode_cutedsl)."""
+    `backend`, or None. Every other choice is the kernel's launch plan default (the plan the
+    benchmark's figures measure, kernels/mla_decode/plan.py). `fp8_query`: the kernel's query
+    with an fp8 latent pool ("single" | "split"; None: the plan's default, "single");
+    `deterministic`: bit-identical results from run to run (no tile pool)."""
     from pdserve.kernels.mla_decode import OP, problem_from_tensors
-    from pdserve.kernels.mla_decode.reference import check_fp8_query
+    from pdserve.kernels.mla_decode.plan import check_fp8_query
     step = fused_step_for(OP, problem_from_tensors, backend)
     fixed = {}                          # only what the caller chose
     if fp8_query is not None:

@@ -1,303 +1,107 @@
-"""Swap-AB warpgroup-MMA core of the CuTe DSL MLA decode kernel (Hopper sm_90a), core="swapab".
+"""The split-KV attention kernel of the CuTe DSL MLA decode (Hopper sm_90a).
 
-Same contract as the other cores (`MlaDecodeKernel` in mma.py, `MlaDecodeWgmmaKernel` in
-wgmma.py: same arguments, one CTA per (KV split, request), 64-token tiles inside one page, bf16
-output + natural-log LSE, or fp32 split partials + LSE for `CombineKernel`); bf16 or fp8 e4m3
-cache (the fp8 path is described after the bf16 one).
-`choose_core` picks it for every call since session 7; `core="swapab"` (compile_main /
-mla_decode_cutedsl) or PDSERVE_MLA_CORE=swapab selects it explicitly.
+One CTA per (KV split, request): 64-token tiles of the paged latent cache (a tile never straddles
+a page), bf16 output + natural-log LSE with one split, else split partials + LSE for the combine
+(combine.py). bf16 or fp8 e4m3 cache; the compile-time variant (`plan.Attention`) is chosen by the
+launch plan (plan.py) and checked here.
 
-Why: the wgmma core pads the H <= 32 heads to the 64 rows of a wgmma and both of its consumer
-warpgroups compute all of S, so per tile it issues ~13.6 MFLOP of which ~4.5 are useful. Here
-A and B are swapped so that the heads are the MMA's N dimension (N = h_pad = 16 or 32, nothing
-padded to 64) and the tokens / latent dims are M:
+Why the heads are the MMA's N ("swap AB"): a decode query has H <= 32 heads per rank, far below
+the 64 rows of a wgmma's M. With A and B swapped, S^T [64 tokens, N] = K Q^T and
+O^T [512, N] += V^T P^T put the tokens / latent dims on M and the heads on N = h_pad (16 or 32):
+nothing is padded to 64 rows and every MMA is useful work.
 
-  * warpgroup 0, warp 0 = TMA producer, as in wgmma.py: per tile one TMA (128-byte swizzle) of the
-    [64, 576] tile into a 2-stage ring (`pipeline.PipelineTmaAsync`), setmaxnreg 24.
-  * warpgroup 1 = the single consumer (setmaxnreg 240; the fp8 path has two consumer warpgroups
-    where splits are longer than 2 tiles, see "two consumer warpgroups" below):
-      - Q [h_pad, 576] loaded once into smem (cp.async; rows >= H zero), K-major, 128-byte swizzle.
-      - S^T [64 tokens, N] = K Q^T: 36 wgmma m64nNk16, A = the K tile in smem (K-major, the bytes
-        TMA wrote), B = Q in smem (K-major). fp32, N / 2 registers per thread.
-      - online softmax per head = per column of S^T: a thread holds 2 token rows of each of its
-        N / 4 columns; the column max is reduced over its 2 rows, the 8 lanes sharing the column
-        (xor 4, 8, 16) and the 4 warps through a (double-buffered) smem array and a 128-thread
-        named barrier. The running sums stay per-thread partials (the rescale factor of a
-        column is the same in every thread) and are reduced once, in the epilogue.
-      - P^T (bf16) -> smem [N heads, 64 tokens] (K-major B operand, 128-byte swizzle atoms),
-        fence.proxy.async + named barrier.
-      - O^T [512, N] += V^T [512, 64] P^T [64, N]: 8 (M blocks) x 4 (k-steps) wgmma m64nNk16,
-        A = V^T = the first 512 columns of the same K tile viewed MN-major (the same smem view
-        wgmma.py uses for its MN-major V operand), B = P^T. O^T's columns are rescaled by
-        exp(m_old - m_new) before. O^T: 8 x N / 2 = 4N fp32 registers per thread (128 at
-        N = 32, 64 at N = 16).
-      - the stage is released (one arrive per warp) after PV retired. Everything is serial
-        within the tile (S^T, softmax, PV, wait); the 2-stage TMA ring overlaps the loads.
-      - named barriers per tile (128 threads, id 1): the column maxima, P^T visible to the
-        async proxy, and on the last tile the zeroed V rows.
-  * last, partial tile: V rows past the end are zeroed in smem before the MMAs (NaN never reaches
-    PV) and their scores masked to -inf.
-  * epilogue: column sums across lanes and warps (smem), normalize, LSE (natural log); O^T is
-    written transposed to out[b, h, d] (bf16) or the fp32 partial [split, b, h, d] (+ LSE), each
-    thread from the (d, h) coordinates of its accumulator elements (8 consecutive d per head and
-    warp store: full 32-byte sectors for fp32).
+Roles: warpgroup 0, warp 0 is the TMA producer (setmaxnreg 24): one [64, 576] TMA per tile into
+a ring (`pipeline.PipelineTmaAsync`). The consumer warpgroups (setmaxnreg 240):
+  * Q [h_pad, 576] is loaded once into shared memory (rows >= H zero), K-major.
+  * S^T = K Q^T with both operands in shared memory; the online softmax runs per column (head):
+    a thread holds 2 token rows of h_pad / 4 columns, the column maxima are reduced over lanes
+    and the 4 warps (smem + a 128-thread named barrier); the running sums stay per-thread
+    partials, reduced once in the epilogue.
+  * P^T goes to shared memory as PV's B operand; O^T += V^T P^T with V^T the first 512 columns
+    of the same stage, rescaled by exp2(m_old - m_new) first. The stage is released once PV has
+    read it.
+  * the last, partial tile: its rows past the end are masked to -inf in S^T, and their V rows
+    are zeroed before PV (the cache bytes there may be NaN).
+  * epilogue: column sums across lanes and warps, normalize (common.softmax_norm), LSE; O^T is
+    written transposed to out[b, h, :] or the partial [split, b, h, :].
 
-Registers (cubin, CPU build): 240 at launch for 256 threads (the setmaxnreg ceiling), no spill
-stack, for N = 16 and 32. smem (kernel_config.smem_bytes, with 4 KB slack): 194,048 B at N = 32,
-172,800 B at N = 16 (2 x 72 KB ring + Q 36 / 18 KB + P^T 4 / 2 KB + stats 1.5 / 0.75 KB); a
-third stage does not fit next to Q.
+fp8 e4m3 cache (`kv_fp8`; the same kernel, branched at trace time; the bf16 code is unchanged by
+it). The per-tensor kv scale is folded into the softmax and output scales by the host.
+  * the stage is the raw fp8 tile as TMA wrote it (`raw_layout`: 9 column blocks of
+    [64 tokens, 64 bytes], 64-byte swizzle), which is already the K-major operand of the native
+    e4m3 wgmma: S^T needs no conversion of K.
+  * Q as e4m3: per CTA s = 2^floor(log2(448 / max|q|)) (>= 2^-100: an all-zero Q works),
+    Q_hi = e4m3(s q) and, with q_terms 2, Q_lo = e4m3(s q - Q_hi) (`query.split_query_e4m3`
+    mirrors it; the pair is ~1000x below bf16 rounding). S^T comes out in units of s; 1 / s is
+    folded into the softmax scale. q_terms 1 (fp8_query="single") stores Q_hi alone and runs
+    half of S^T's wgmmas.
+  * promotion: the fp8 wgmma's accumulator keeps only ~13-14 mantissa bits, so S^T runs as 9
+    chunks of 64 dims, each into a zeroed accumulator added to S^T in fp32 while the next chunk
+    runs (`_fp8_qk`; tests/test_mla_decode_compile.py models the error).
+  * qk_joint (two-term query at h_pad 16): B = [Q_hi ; Q_lo] as one [32, 576] operand, one wgmma
+    of N = 32 per k-step, each K k-step read from shared memory once instead of twice
+    (`_fp8_qk_joint`; at h_pad 32 its accumulators would spill).
+  * PV in fp16: V^T is gathered from the raw bytes into registers (four 16-byte loads per
+    16-token k-step, prmt pairs two tokens' bytes, cvt.rn.f16x2.e4m3x2 widens them exactly);
+    O^T row m holds latent dim DIM_PERM(m), so a thread's 16 rows are 16 consecutive bytes of a
+    token, and S^T row m goes to P^T position row_token_inv(m) (bank-conflict-free loads).
+    pv_group M blocks per wgmma group, pv_in_flight groups in flight; with pv_prefetch each
+    k-step's V words are loaded one k-step ahead. Tokens past the end are zeroed in registers
+    on the last tile only (PV is traced twice, with and without the selects).
+  * epilogue: a thread's 16 dims of a head are contiguous, so each head column is written with
+    16-byte vector stores (`_store_cols_vec`).
 
-MMA work per tile: 64 x N x 576 + 512 x N x 64 MACs (4.5 MFLOP at N = 32, none of it redundant)
-instead of the wgmma core's 13.6.
+Two consumer warpgroups (`consumers` = 2): consumer c takes the split's tiles t_begin + c,
+t_begin + c + 2, ..., each with its own softmax state, O^T, P^T buffers and named barrier
+(1 + c); barrier 3 (both, 256 threads) orders Q, the end of the tiles and the merge.
+  * one ring in tile order; consumer c's pipeline state starts c stages in and moves two a
+    tile. The ring is even, so that every stage has one owner: with an odd one consumer 1 can
+    reach tile i + stages before tile i's TMA landed and pass its full-barrier wait at once
+    (try_wait.parity of the next phase reads as the completed phase before it);
+    tests/test_mla_ring_protocol.py checks the protocol over every order of events.
+  * q_half (fp8): each consumer loads, scales and stores half of Q, the 8 warps' max |q|
+    folded through smem in one order (the same s bit for bit everywhere).
+  * merge (`_merge_consumers`): once both are past their last tile the ring is free; each hands
+    the other the O^T columns and (max, sum) of the heads the other writes (xmerge: each writes
+    half of the heads; without, consumer 0 merges and writes all), and merges exactly:
+    m = max(m0, m1), O = O0 f0 + O1 f1, l = l0 f0 + l1 f1. A consumer with no tile (1-tile
+    split) has m = -inf, l = 0 and gets weight 0, never NaN.
+  * the two run free of each other (no ordering of their S^T phases).
 
-fp8 e4m3 cache (kv_fp8=True; the same kernel, branches on kv_fp8 at trace time; the bf16 PTX is
-unchanged by it). The per-tensor kv scale is folded into scale_log2 / out_scale by the host.
-  * producer unchanged: one TMA of the raw [64, 576] fp8 tile (36,864 B) per stage, smem layout
-    `raw_layout` = 9 column blocks of [64 tokens, 64 bytes], 64-byte swizzle (the 16-byte unit
-    (d % 64) // 16 XOR (t // 2) % 4); 5 stages (half-size stages). This is the canonical K-major
-    64-byte-swizzle layout of an 8-bit wgmma operand (8-row x 64-byte core matrices, 512 bytes
-    apart), so the stage is S^T's A operand as it is.
-  * Q as two e4m3 terms: per CTA s = 2^floor(log2(448 / max|q|)) over the request's H x 576
-    values (max over the 128 consumer threads: shuffles + smem; >= 2^-100, so an all-zero Q
-    works), Q_hi = e4m3(s q), Q_lo = e4m3(s q - Q_hi) (cvt.rn.satfinite.e4m3x2.f32; s q and
-    the difference are exact in fp32), stored to smem [h_pad, 576, 2] (`q8_layout`: the same
-    K-major 64-byte-swizzle atoms; rows >= H zero), no dim permutation. S^T comes out in units
-    of s: 1 / s (exact) is folded into the softmax scale (scale_s = scale_log2 / s, also used
-    for the LSE). `reference.split_query_e4m3` is the torch mirror the CPU numerics test uses: the
-    split alone is ~1000x below bf16 rounding for a bf16 q, and below it for an fp32 q.
-  * S^T = K (Q_hi + Q_lo)^T (h_pad 32; h_pad 16: the joint form below): 36 native e4m3 wgmma
-    m64nNk32 (fp32 accumulate), A = the stage in smem (descriptor: 64-byte swizzle, SBO 512 B;
-    k-step k starts at (k // 2) 4096 + (k % 2) 32 bytes), B = Q_hi / Q_lo in smem (term t, k-step
-    k at t h_pad 576 + (k // 2) 64 h_pad + (k % 2) 32). No K conversion. The fp8 wgmma accumulator
-    is reported to keep only ~13-14 mantissa bits (DeepSeek-V3 report; SageAttention2: "FP22"), so
-    with qk_promote (default) the 36 wgmmas run as 9 chunks of 4 (k-steps 2 c, 2 c + 1 with Q_hi,
-    then Q_lo), chunk 0 into S^T, chunk c >= 1 into a zeroed accumulator (two alternate, h_pad / 2
-    registers each) that is added to S^T with FADDs once retired, while chunk c + 1 runs. All of
-    S^T's wgmmas have retired before the softmax (and so before the stage's release). S^T row m is
-    token m.
-  * fp8_query="single" (q_terms 1; the launcher's default since session 23, resolve_fp8_query):
-    Q_hi alone (the query rounded to one e4m3 term, as vLLM's fp8 MLA path does; Q_lo is not
-    stored), 18 wgmma m64nNk32 per tile in the same 9 promotion
-    chunks, no joint form. H200, session 20: fp8 H=32 B=64 L=128K 0.85 of the copy floor
-    against 0.72 with the split (the long cells run at the power cap, see kernel_history.md
-    session 19; half the S^T MMAs moves them most); accuracy: docs/kernels.md.
-  * h_pad 16 (qk_joint, the default there): B = [Q_hi ; Q_lo] as one [2 h_pad, 576] operand
-    (q8_layout(hp, joint): the same atoms stacked along the 2 h_pad rows, then the 9 column
-    blocks; k-step k at (k // 2) 128 h_pad + (k % 2) 32), 18 e4m3 wgmma m64n32k32 in the same
-    9 chunks, each chunk's [K Q_hi^T, K Q_lo^T] folded into S^T (column n + column n + h_pad,
-    _joint_fold_map) once retired. Each K tile is read from smem once per k-step, not twice.
-  * P^T fp16 in smem: S^T row (token) m goes to k position row_token_inv(m), the order PV's V^T
-    fragments use (the thread writes through the C partition of the thread whose rows are
-    row_token_inv of its own: row_token only permutes bits 0-1 of the row = of lane // 4).
-  * O^T += V^T P^T (unchanged): fp16 wgmma, A = V^T from registers. O^T row m = 64 mb + 16 w +
-    8 r8 + g holds latent dim 128 w + 16 g + 2 mb + r8 (DIM_PERM; the epilogue writes through
-    that layout), so a thread's 16 rows are 16 consecutive bytes of one token: per 16-token k-step
-    four 16-byte loads (tokens row_token(2 tig + jp + 8 jh), conflict free), prmt 0x5140 / 0x7362
-    pairs the bytes of the two tokens of a k pair, one cvt per pair; groups of `pv_group` M blocks
-    per commit, `pv_in_flight` groups in flight (see "fp8 PV pipelining"). Tokens past the end
-    are zeroed in registers (select on the loaded words: the cache bytes there may be NaN
-    encodings, and p = 0 * NaN would be NaN), on the last tile only: PV is written out twice,
-    with and without the selects (64 SEL per tile and thread fewer on every other tile);
-    their scores are masked to -inf as on the bf16 path. K rows past the end only reach their own
-    S^T rows, which the mask overwrites.
-  * per tile and thread: 36 e4m3 wgmma (S^T) + 32 fp16 wgmma (O^T), 16 ld.shared.v4 (V), 128
-    cvt.rn.f16x2.e4m3x2 (V), 64 prmt, 8 x h_pad / 2 FADDs (chunk sums); was 34 ld.shared.v4,
-    272 cvt (144 for K), 64 prmt, 68 fp16 wgmma. Once per CTA: 9 h_pad / 4 split pairs (each
-    2 cvt.rn.satfinite.e4m3x2.f32 + 1 cvt.rn.f16x2.e4m3x2), 9 h_pad / 8 pairs of 8-byte
-    st.shared. The stage is released (sync_warp + one arrive per warp) once the last V words
-    have been converted (S^T's smem reads retired earlier), before the last PV group retires.
-  * one consumer: registers (cubin, CPU build): 240 at launch, no spill stack, h_pad 16 and 32.
-    smem (kernel_config.smem_bytes, 4 KB slack): 230,912 B at h_pad 32, 209,664 B at h_pad 16
-    (5 x 36 KB ring + Q_hi/Q_lo 36 / 18 KB + P^T 4 / 2 KB + stats). Two consumers: below.
-  * checked on the CPU (tests/test_mla_decode_compile.py): the descriptor fields and start
-    offsets in the PTX, a model of the wgmma's swizzled addressing against the TMA layout and
-    the Q stores (test_swapab_fp8_fragment_layouts), P^T's order, the V^T fragments against the
-    library's wgmma A layout, the split's numerics (test_swapab_fp8_q_split_numerics).
-  Status of this fp8 path with one consumer (PDSERVE_MLA_SWAPAB_CONSUMERS=1, PTX byte-identical
-  to the version that ran): passed all MLA GPU tests on the H200 (fp8 H=12 B=64 L=128K 77 %,
-  H=32 60 % of the copy floor; ~1.86 us per 64-token tile at H=32, everything serial in the one
-  consumer).
+Lazy column maxima (`lazy_max`, fp8 with two consumers): the exact online-softmax step needs
+every head's maximum over the tile's 4 warps, an exchange and barrier that take a large part of
+a consumer's chain. Instead each thread checks whether its own rows rise above the running
+maximum by more than LAZY_MAX_SLACK (log2 units); P = 2^(S - m) is taken against the maxima as
+they are and stored, and one barrier.red.or.pred (the P^T barrier) tells every thread whether
+any rose. Only then (and on a consumer's first tile) does the exact step run and rewrite P^T.
+The maxima only move in exact steps and the sums always match the P that PV used, so the result
+is exact; P <= 2^8 keeps it far inside fp16 (tests/test_mla_lazy_maxima_model.py). P^T has two
+buffers per consumer (alternating tiles), since no exchange barrier precedes the stores.
 
-Two consumer warpgroups ("ping-pong", `consumers` = 2: fp8 calls whose splits have more than 2
-tiles; fp8 splits of <= 2 tiles and bf16 run 1 (cutedsl.choose_consumers, per call; bf16 PTX
-unchanged); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2 overrides either, e.g. for A/B runs):
-  * 384 threads: warpgroup 0 = producer (setmaxnreg 24), warpgroups 1 and 2 = consumers 0 and 1
-    (setmaxnreg 240; 128 x 24 + 256 x 240 = 64,512 <= 65,536 registers; 168 at launch).
-    Consumer c takes the split's tiles t_begin + c, t_begin + c + 2, ..., each with its own
-    online-softmax state (column max / sums), O^T accumulator, P^T buffer, column-max (2 buffers)
-    and column-sum smem, and named barrier (id 1 + c, 128 threads). Id 3 (256 threads, both
-    consumers): Q's maximum (fp8), Q stored, every tile consumed, merge data handed over. Id 0:
-    only the CTA sync of the mbarrier init.
-  * one TMA ring in tile order (the producer is unchanged): tile t_begin + i in stage
-    i % stages, full-barrier phase (i // stages) % 2. Consumer c's pipeline state starts
-    advanced by c and moves by 2 per tile (wait, then advance(2)), so it waits on exactly the
-    stage / phase of each of its own tiles and skips the other's. Each stage fill is consumed
-    and released by one warpgroup (4 warps, one arrive each: the consumer arrive count stays 4).
-    A stage's full barrier cannot run a phase ahead of its owner: its next fill needs the
-    owner's release first. No deadlock: within the tile loop the consumers never wait on each
-    other, and the lowest unconsumed tile's owner waits only on TMAs that need releases of lower
-    tiles.
-  * Q (fp8, q_half): each consumer loads half of the copy's Q vectors (h_pad 32: heads 0-15 /
-    16-31; h_pad 16: 5 / 4 of a thread's 9), reduces its max|q|, and after barrier 3 folds the
-    8 warps' maxima from smem in one order (the same s bit for bit in every thread; each its
-    own scale_s), then splits and stores its half of Q_hi / Q_lo; fence.proxy.async and
-    barrier 3 before either consumer's first wgmma. Session 21, H200, interleaved A/B, fp8 H=32
-    B=8 L=32K / B=64 L=8K: +1.5 % / +1.1 % over both consumers loading all of Q and consumer 0
-    storing it (PDSERVE_MLA_SWAPAB_QHALF=0; bf16: consumer 0 alone copies Q with cp.async).
-  * epilogue (_merge_consumers, xmerge): each consumer reduces its column sums (own barrier);
-    barrier 3 (both past their last tile: every TMA of the split has landed -- each full
-    barrier was waited on -- and every wgmma reading the ring retired), so the ring is free;
-    each stores the O^T fragments of the half of its columns that the other writes (consumer
-    0 hands over columns n / 2.., consumer 1 columns ..n / 2: float (r + 16 j) 128 + thread,
-    conflict free, 32 / 16 KB at h_pad 32 / 16 each) and their heads' (max, sum) into its
-    region of stage 0.., barrier 3, and merges the other's into its own half exactly:
-    m = max(m0, m1), f_c = 2^((m_c - m) scale_s), O = O0 f0 + O1 f1, l = l0 f0 + l1 f1 (the
-    other's factor selected 0 when its l = 0; a consumer with no tile, consumer 1 in a 1-tile
-    split, has m = -inf, l = 0, O = 0, and where that is its own half exp2(-inf) = 0: no NaN;
-    consumer 0 always has a tile whose token 0 is valid), then normalizes and writes its
-    columns' heads through the output / partial code (_store_o_lse). Session 21, A/B on top of
-    q_half: +1.1 % / +0.8 % at the cells above. PDSERVE_MLA_SWAPAB_XMERGE=0: consumer 1 hands
-    all its columns over and consumer 0 merges and writes them all.
-  * tile pool (fp8 default where a split has at least 32 tiles, cutedsl.call_pool; off with
-    deterministic=True; PDSERVE_MLA_SWAPAB_POOL=0|2|4|8 for A/B runs; sessions 21-22): the last
-    quarter of each split's tiles goes into a per-request pool drawn at run time, so that a
-    request's CTAs that run faster take more and the slowest, which sets the call, less (`_produce`;
-    tests/test_mla_tile_pool_model.py models the draws and the counters' reset). Session 22,
-    interleaved A/Bs, fp8 H=32: +1.5-4 % at B=8 L=32K, B=64 L=8K / 128K (split and single query),
-    -1-3 % at 2-16 tiles a split (hence the threshold); halves or eighths instead of quarters within
-    noise of each other. The producer writes each ring position's tile id into sTid (2 x stages
-    slots) before its TMA and ends with one mark (-1, the stage's transaction completed with
-    mbarrier.complete_tx, no data) per consumer; the consumers loop while the id they read after
-    their wait is a tile. The tile body is `_tile` either way; without the pool the loops are the
-    static ones, and the kernel body's PTX is the same as before the pool (checked on the CPU build,
-    seven variants; only the counters' kernel parameter is new).
-  * the two consumers run free, relying on the scheduler. An FA3-style handshake that ordered
-    their S^T phases (tile t's S^T after tile t - 1's, on named barriers) was an A/B switch
-    until session 22 and never faster on the H200 (within 3 % either way, session 7; 0.810-0.817
-    against 0.841-0.857 at B=64 L=128K single query, session 20), so it was removed.
-  * an even ring with two consumers, so that each stage has one owner: with an odd one (5 at
-    h_pad 16 until session 14) consumer 1 could reach tile i + stages, in a stage of consumer
-    0's, while tile i's TMA was still in flight, and pass its full-barrier wait at once
-    (try_wait.parity of the phase after the current one reads as the completed phase before
-    it): stale data, and the stage released and refilled under consumer 0. A model of the
-    protocol over every order of events: tests/test_mla_ring_protocol.py.
-  * smem (kernel_config.smem_bytes): fp8 207,872 B at h_pad 32 (4 x 36 KB stages: the fifth no
-    longer fits next to the P^T buffers + stats; two P^T buffers per consumer for the lazy
-    maxima, below), 179,712 B at h_pad 16 (4 stages: the ring stays even); bf16 with 2
-    consumers (opt-in) 199,680 / 175,616 B (2 x 72 KB stages, one P^T buffer each).
-  * registers (cubin, CPU build): 168 at launch, no spill stack, every fp8 variant (h_pad 16 /
-    32, pages 64 / 128 / 256, early_kv) and bf16 with 2 consumers; the SASS
-    (nvdisasm) uses registers up to R233 at h_pad 32 and R175 at 16 under the 240 ceiling, no
-    LDL / STL (with the lazy maxima, session 18: up to R236 / R200, still none).
-  * ring depth at h_pad 32: with each consumer holding one stage while it computes, 2 of the 4
-    stages are left for loads in flight (the single consumer had 4 of 5). A fifth stage (sSum
-    aliased onto sMax, exactly 232,448 B = SMEM_LIMIT) ran on the H200 in session 7 and was
-    within 1 % of four stages in every fp8 cell; it was dropped.
-  * per tile and consumer the instruction stream is the single consumer's (same wgmma / cvt /
-    ld.shared counts in the PTX); per CTA and thread the merge adds 4 h_pad st.shared.b32
-    (consumer 1) / ld.shared.b32 (consumer 0) and h_pad / 4 st / ld.shared.v2.b32 (max, sum).
-  Status of the two-consumer path: passed all 228 MLA GPU tests on the H200 (2026-11-29; also
-  fp8 with 1 consumer and bf16 with 2, test_swapab_consumer_variants). fp8, early_kv,
-  us and % of the copy floor, 1 consumer -> 2 (mla_decode_h200_swapab_consumers.json):
-      H=12: B=8 L=32K 63.8 -> 56.2 (63 %), B=8 L=128K 199.0 -> 165.1 (86 %), B=64 L=8K 110.2 ->
-            96.0 (74 %), B=64 L=32K 378.8 -> 316.7 (90 %), B=64 L=128K 1514.1 -> 1340.3 (85 %)
-      H=32: B=8 L=32K 92.1 -> 81.7 (44 %), B=8 L=128K 262.0 -> 220.3 (65 %), B=64 L=8K 162.4 ->
-            143.7 (49 %), B=64 L=32K 497.1 -> 413.4 (69 %), B=64 L=128K 1954.7 -> 1719.2 (66 %)
+Tile pool (`pool_div` > 0, with more than one split): the last 1 / pool_div of each split's
+tiles goes into a per-request pool that the request's CTAs draw from at run time through a
+per-request counter, so faster CTAs take more and the slowest, which sets the call's time,
+fewer (`_produce`; tests/test_mla_tile_pool_model.py models the draws and the reset). The
+producer hands each tile's id to the consumers through smem (sTid) and ends each consumer's
+loop with a mark (-1). Which CTA takes a pool tile varies, and with it the partials' rounding.
 
-Lazy column maxima (`lazy_max`: fp8 with two consumers, the default; PDSERVE_MLA_SWAPAB_LAZY=0
-turns them off for A/B runs). The exact online-softmax step needs every head's maximum over the
-tile's 64 tokens, which lie in the 4 warps: warp maxima through smem, a 128-thread barrier, the
-running maxima, sums and O^T rescaled, then P^T stored and a second barrier before PV. A
-per-tile clock64 trace of the H200 (session 18, fp8 H=32, two consumers; per consumer and tile,
-median SM cycles: S^T 1,808, warp maxima + exchange 440, softmax 696, P^T + barrier 378, PV
-1,557, the rest ~300; a tile every ~2,590 cycles per CTA) put ~30 % of each consumer's chain in
-the softmax. With lazy maxima a tile's step is:
-  * w_max = the column maxima of the thread's own 2 rows, and rise = some column's w_max
-    exceeds the running maximum by more than LAZY_MAX_SLACK = 8 (log2 units, i.e. P <= 2^8 in
-    fp16); no shuffles;
-  * P = 2^((S - m) scale_s) against the running maxima m as they are, into fp32 registers (rS),
-    its column sums kept aside (psum), P^T stored;
-  * one barrier.red.or.pred (_barrier_or) over the consumer's 128 threads: the P^T barrier that
-    also tells every thread whether any thread saw a rise (the same decision as on the tile's
-    maxima);
-  * no rise: the sums are added, O^T is not rescaled, PV runs. A rise (and every consumer's
-    first tile, which has no maxima yet): the warp maxima from w_max by shuffles (_col_max),
-    then the exact step (_softmax_exact: the exchange, rescale, P^T rewritten, its two
-    barriers) -- P^T is only read by PV after it.
-  m only moves in exact steps and the sums always match the P that PV used, so the result and
-  the LSE (m scale_s + log2 sum) are exact, as with the exact step on every tile; P <= 2^8
-  keeps it far inside fp16. Without the exchange barrier ahead of the P^T stores, P^T has two
-  buffers per consumer (alternating tiles): tile i + 2's stores into tile i's buffer come after
-  tile i + 1's barrier, which every warp reaches only after its PV of tile i retired. The first
-  V words of PV are loaded after the softmax (before it, the 16 registers spill next to rS).
-  Trace after the change (another H200): warp maxima 242, P + P^T 403, barrier 70, the rest
-  of the step ~100, S^T 1,731, PV 1,554: a tile every ~2,170 cycles. End to end (no trace;
-  interleaved A/B, fresh processes, results/mla_decode_h200_lazy_max_session18.json) only
-  1-3 % faster in the fp8 H=32 cells, e.g. B=8 L=128K 0.775 -> 0.790, B=64 L=8K 0.705 -> 0.720
-  of the copy floor (the trace's own clock reads and stores slow the exact step more). GPU tests:
-  test_swapab_fp8_lazy_maxima (keys whose maxima rise, fall, step by ~10 nats, random; the
-  exact step skipped after the first tile fails it); in CI, a CPU model of the numerics
-  (tests/test_mla_lazy_maxima_model.py: exact against float64, P within 2^LAZY_MAX_SLACK).
-  Session 18 checked the rise on the warp maxima (shuffles on every tile); session 19 moved
-  the check to each thread's own rows and the shuffles into the exact step: the ~240-cycle
-  warp-maxima phase becomes a compare per column. Interleaved A/B on an H200
-  (results/mla_decode_h200_session19.json): +2-3 % over the warp-maxima check in the fp8 H=32
-  cells (B=8 L=32K 0.650 -> 0.676, B=64 L=8K 0.709 -> 0.728, B=64 L=128K 0.703 -> 0.723). A
-  probe (mbarrier try_wait) of the next tile's stage before PV, to make the loop-top wait free,
-  was tried with it and not kept (-1 to -6 % at B=8 L=32K and B=64 L=8K).
+Head groups (`head_groups` G > 1): the host passes q, the outputs and the partials as B * G
+requests of H / G heads (contiguous views); request b of that view reads row b // G of the
+block table and seq_lens, and has its own pool counters.
 
-fp8 epilogue, 16-byte vector stores (_store_cols_vec): with DIM_PERM a thread's 16 O^T rows of
-one head are 16 consecutive latent dims, 128 w + 16 g + (0..15) (O^T row 64 mb + 16 w + 8 r8 + g
-= dim 128 w + 16 g + 2 mb + r8), i.e. 64 contiguous bytes of the fp32 partial row
-[split, b, h, :] and 32 of the bf16 output row [b, h, :], 64 / 32-byte aligned (rows are 2,048 /
-1,024 bytes from a 16-byte aligned base). Per head column the thread issues 4 st.global.v4.b32
-for an fp32 partial or 2 for bf16 (output, and the partials since session 8: partial_dtype);
-at h_pad 32 (session 7, fp32 partials), 48 vector stores instead of 128 st.global.b32 +
-128 st.global.b16 (the scalar stores wrote 4 bytes per 32-byte sector: the DIM_PERM rows of 8
-lanes are 16 dims apart). The trace asserts that a column's 16 addresses have unit stride (the
-bf16 cache's rows are not contiguous: fp32 partials keep scalar stores, which fill whole sectors
-there; its bf16 rows pair dims through two shuffles, _store_cols_bf16).
-H200, session 7 (fp8, early_kv, `ab_base` vs `ab_vec_epilogue` in
-mla_decode_h200_session7_ab.json):
-H=12 B=8 L=32K 56.7 -> 48.4 us, B=64 L=8K 97.7 -> 91.5; H=32 B=1 L=8K 23.6 -> 13.5,
-B=8 L=32K 81.1 -> 62.4, B=64 L=8K 144.8 -> 128.0; the long cells within 1 %.
+Latent halves (`d_split` = 2; bf16, one consumer, no pool): grid z = 2 CTAs per (split,
+request), each running the split's tiles whole (the same maxima, sums and LSE bit for bit) but
+PV and the epilogue only over its 256 latent dims (4 whole 64-dim column blocks of the stage);
+the LSEs come from dpart 0.
 
-fp8 PV pipelining (pv_group, pv_in_flight; V-load prefetch): the first k-step's V words are
-loaded right after S^T retires (their latency hides behind the softmax) and k-step ks + 1's
-before k-step ks's wgmmas. h_pad 16: groups of 4 M blocks, 2 in flight; h_pad 32: groups of 2,
-3 in flight (2 in flight with the prefetch left a 24-byte spill stack in the cubin; 4 or more
-in flight were ~20 % slower on the H200). The single consumer at h_pad 32 (opt-in) spills with
-the prefetch and keeps per-k-step loads, 2 groups of 2 in flight.
-H200, session 7 (mla_decode_h200_session7_ab.json, `pv12_*` / `pv32_*`): H=12 B=8 L=32K
-49.5 -> 47.0 us, B=64 L=8K 88.6 -> 86.0, B=64 L=32K 308.1 -> 297.0; H=32 B=8 L=32K 63.0 -> 61.0,
-B=64 L=8K 122.0 -> 119.5. PDSERVE_MLA_SWAPAB_PV="group,in_flight" overrides the pair for A/B
-runs.
+Early KV (`early_kv`): seq_lens, the block table and the first tiles' TMAs are issued before the
+PDL wait; Q and every write stay behind it (common.split_tile_range).
 
-H200 history of this core after session 7 (what was tried, kept or dropped, each with its
-JSON: partial types, consumers, staged epilogue, lazy maxima, promotion chunks, L2 prefetch, joint
-and register-A S^T, the last-tile V mask): docs/kernel_history.md. Current figures:
-cutedsl.py's docstring and docs/kernels.md.
-
-head_groups G > 1 (choose_head_groups, H > 16 only): the host passes q, the outputs and the
-partials as B * G requests of H / G heads (contiguous views); request b of that view reads row
-b // G of the block table and seq_lens. Short contexts then run 2G CTAs per split of 16 heads
-instead of one of 32 (H200: fp8 B=1 L=8K 23.1 vs 29.4 us; bf16 B=64 L=1K 28.7 vs 37.5).
-
-Latent halves (`d_split` = 2; bf16 cache, one consumer, no tile pool; cutedsl.call_d_split:
-where the doubled launch takes at most half of the SMs): grid z = 2 CTAs per (split, request),
-each running the split's tiles whole -- the same TMAs, S^T, softmax and (bit for bit) the same
-maxima, sums and LSE -- but PV and the epilogue only over its 256 latent dims: V^T is the
-stage's column blocks 4 dpart .. 4 dpart + 3 (whole 64-dim swizzle atoms, so the view only
-moves its base), O^T is 256 x h_pad (64 / 32 registers), and the CTA writes dims
-[256 dpart, +256) of each head's output or partial row; the LSEs come from dpart 0 alone
-(dpart 1 passes warps 4-7 to _store_o_lse; both write an empty split's -inf). A CTA's chain
-loses 16 of its 68 wgmmas per tile and half of its stores, for a second load of every tile (L2
-mostly) and twice the CTAs; small launches gain 10-15 % (cutedsl.call_d_split's figures),
-launches of 64 CTAs or more lose.
+Shared memory (`smem_bytes`): Q, the ring, P^T and the column statistics; the ring takes the
+stages that fit in the device's `smem_limit` (at most MAX_STAGES / MAX_STAGES_FP8).
 """
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import cutlass
@@ -309,12 +113,12 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, SMEM_LIMIT, TILE_N, copy_q_rows,
-                                               cvt_e4m3x2_f16x2, env_choice, lds_u32, prmt,
-                                               query_tensors, result_tensors, softmax_norm,
-                                               split_tile_range, swapab_pool_div,
+from pdserve.kernels.mla_decode.common import (D_QK, D_V, LN_2, TILE_N, copy_q_rows,
+                                               cvt_e4m3x2_f16x2, lds_u32, prmt, query_tensors,
+                                               result_tensors, softmax_norm, split_tile_range,
                                                tma_load_tile, tma_produce_tiles, tma_tile_views,
                                                wgmma_c_mn_view, write_empty_split)
+from pdserve.kernels.mla_decode.plan import POOL_DIVS, Attention
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -354,6 +158,20 @@ class _DrawOrder:
 
     def not_first(self):
         return self.i >= self.nc
+
+
+class _Refusal:
+    """need(ok, field, why): ValueError naming the variant's field when not ok."""
+
+    def __init__(self, variant):
+        self.variant = variant
+
+    def __call__(self, ok: bool, field: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"MLA decode kernel: {field}={getattr(self.variant, field)!r} "
+                             f"{why} ({self.variant})")
+
+
 MAX_STAGES = 4              # bf16 ring (2 fit next to Q)
 MAX_STAGES_FP8 = 5          # fp8 ring: half-size stages, 5 fit at h_pad 16 and 32
 FP8_BLOCK = TILE_N * 64     # bytes of one [64 tokens, 64 dims] column block of the raw fp8 tile
@@ -424,162 +242,90 @@ def _split_e4m3x2(y0, y1, *, loc=None, ip=None) -> Int32:
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
-class MlaDecodeSwapAbKernel:
-    """One compiled variant: cache dtype (bf16 / fp8 e4m3), padded head count (16 / 32 = the wgmma
-    N) and page size (a multiple of 64)."""
+class MlaDecodeKernel:
+    """One compiled variant of the attention kernel (`variant`: plan.Attention, every field
+    explicit). Refuses combinations the kernel cannot run with a ValueError naming the field;
+    derives the ring depth and shared-memory layout from the variant."""
 
-    def __init__(self, kv_fp8: bool, page_tokens: int, h_pad: int, early_kv: bool = False,
-                 head_groups: int = 1, consumers: int | None = None, q_terms: int = 2,
-                 deterministic: bool = False, d_split: int = 1):
-        if h_pad not in (16, 32):
-            raise ValueError(f"core 'swapab': h_pad must be 16 or 32, got {h_pad}")
-        if page_tokens % TILE_N != 0:
-            raise ValueError(f"page_tokens must be a multiple of {TILE_N}, got {page_tokens}")
-        self.kv_fp8 = bool(kv_fp8)
-        self.early_kv = early_kv      # as MlaDecodeKernel's: the producer's TMAs before the wait
-        # head_groups G > 1: the launch sees the batch as B * G requests of H / G heads (the
-        # host passes those views of q, the outputs and the partials; all contiguous), so that a
-        # small batch spreads its heads over G CTAs per split; request b of the view reads the
-        # block table and seq_lens row b // G
-        self.head_groups = int(head_groups)
-        self.ctas_per_sm = 1
-        self.page_tokens = page_tokens
-        self.tiles_per_page = page_tokens // TILE_N
-        # cache element type; PV operand type (fp8: P fp16, V widened from the raw bytes in
-        # registers with cvt.rn.f16x2.e4m3x2, exact); S^T operand type (fp8: K raw e4m3 from the
-        # stage, Q as two e4m3 terms Q_hi + Q_lo, native fp8 wgmma)
+    def __init__(self, variant: Attention):
+        v = variant
+        self.variant = v
+        need = _Refusal(v)
+        need(v.h_pad in (16, 32), "h_pad", "must be 16 or 32")
+        need(v.page_tokens > 0 and v.page_tokens % TILE_N == 0, "page_tokens",
+             f"must be a multiple of {TILE_N}")
+        need(v.head_groups >= 1, "head_groups", "must be >= 1")
+        need(v.consumers in (1, 2), "consumers", "must be 1 or 2")
+        need(v.q_terms in (1, 2) and (v.q_terms == 2 or v.kv_fp8), "q_terms",
+             "must be 2, or 1 with an fp8 cache")
+        need(v.pool_div in POOL_DIVS, "pool_div", f"must be one of {POOL_DIVS}")
+        need(v.d_split in (1, 2) and (v.d_split == 1 or (not v.kv_fp8 and v.consumers == 1
+                                                         and not v.pool_div)),
+             "d_split", "must be 1, or 2 with a bf16 cache, one consumer and no tile pool")
+        pair_fp8 = v.kv_fp8 and v.consumers == 2
+        need(pair_fp8 or not v.lazy_max, "lazy_max", "needs an fp8 cache and two consumers")
+        need(pair_fp8 or not v.q_half, "q_half", "needs an fp8 cache and two consumers")
+        need(v.consumers == 2 or not v.xmerge, "xmerge", "needs two consumers")
+        need(not v.qk_joint or (v.kv_fp8 and v.h_pad == 16 and v.q_terms == 2), "qk_joint",
+             "needs an fp8 cache, h_pad 16 and the two-term query")
+        if v.kv_fp8:
+            need(v.pv_group in (1, 2, 4, 8), "pv_group", "must be 1, 2, 4 or 8")
+            need(1 <= v.pv_in_flight <= 8, "pv_in_flight", "must be 1..8")
+        else:
+            need((v.pv_group, v.pv_in_flight, v.pv_prefetch) == (0, 0, False), "pv_group",
+                 "pv_group / pv_in_flight / pv_prefetch are for an fp8 cache (0, 0, False "
+                 "with bf16)")
+
+        self.kv_fp8 = v.kv_fp8
+        self.early_kv = v.early_kv
+        self.head_groups = v.head_groups
+        self.page_tokens = v.page_tokens
+        self.tiles_per_page = v.page_tokens // TILE_N
+        self.h_pad = v.h_pad
+        # cache element type; PV operand type (fp8: P fp16, V widened exactly from the raw
+        # bytes); S^T's Q operand type (fp8: e4m3 terms)
         self.kv_dtype = cutlass.Float8E4M3FN if self.kv_fp8 else BFloat16
         self.cdt = Float16 if self.kv_fp8 else BFloat16
         self.qdt = cutlass.Float8E4M3FN if self.kv_fp8 else BFloat16
-        self.h_pad = h_pad
-        # consumer warpgroups: 1 = one consumer takes every tile; 2 = ping-pong (consumer c takes
-        # the split's tiles t_begin + c, t_begin + c + 2, ..., the two merged in the epilogue).
-        # Default (None): cutedsl.choose_consumers without a shape (PDSERVE_MLA_SWAPAB_CONSUMERS,
-        # else 2 for fp8, 1 for bf16); mla_decode_cutedsl passes its per-call choice
-        if consumers is None:
-            from pdserve.kernels.mla_decode.cutedsl import choose_consumers
-            consumers = choose_consumers(self.kv_fp8)
-        if consumers not in (1, 2):
-            raise ValueError(f"core 'swapab': consumers must be 1 or 2, got {consumers}")
-        self.consumers = consumers
+        self.consumers = consumers = v.consumers
         self.num_threads = 128 * (1 + consumers)
-        # fp8 two consumers: lazy column maxima (see "lazy maxima" in the module docstring);
-        # PDSERVE_MLA_SWAPAB_LAZY=0 turns them off (A/B runs)
-        self.lazy_max = (self.kv_fp8 and consumers == 2
-                         and env_choice("PDSERVE_MLA_SWAPAB_LAZY", ("0", "1")) != "0")
+        self.lazy_max = v.lazy_max
         self.p_bufs = 2 if self.lazy_max else 1       # P^T buffers per consumer
+        self.q_half = v.q_half
+        self.xmerge = v.xmerge
+        self.q_terms = v.q_terms
+        self.qk_joint = v.qk_joint
+        # fp8 S^T: every 64-dim chunk into a zeroed accumulator added to S^T in fp32 (see
+        # "promotion" in the module docstring)
+        self.qk_promote = True
+        self.pv_group, self.pv_in_flight, self.pv_prefetch = (v.pv_group, v.pv_in_flight,
+                                                              v.pv_prefetch)
+        self.pool_div = v.pool_div
+        self.pool = self.pool_div > 0
+        self.d_split = v.d_split
+        self.d_out = D_V // v.d_split                  # O^T rows (latent dims) of one CTA
+        self.partial_dtype = BFloat16 if v.bf16_partials else Float32
+        self.consumer_regs = CONSUMER_REGS
+
         per_stage = TILE_N * D_QK * (1 if self.kv_fp8 else 2)
-        fixed = (h_pad * D_QK * 2                      # Q
-                 + consumers * (self.p_bufs * h_pad * TILE_N * 2     # P^T
-                                + (2 + 1) * N_WARPS * h_pad * 4)  # column maxima (2 bufs) + sums
+        fixed = (v.h_pad * D_QK * 2                    # Q
+                 + consumers * (self.p_bufs * v.h_pad * TILE_N * 2     # P^T
+                                + (2 + 1) * N_WARPS * v.h_pad * 4)  # column maxima (2) + sums
                  + 4 * 1024)                           # mbarriers / alignment
         max_stages = MAX_STAGES_FP8 if self.kv_fp8 else MAX_STAGES
-        self.stages = min(max_stages, (SMEM_LIMIT - fixed) // per_stage)
+        self.stages = min(max_stages, (v.smem_limit - fixed) // per_stage)
         if consumers == 2:
-            # An even ring, so that every stage belongs to one consumer (tile i: stage
-            # i % stages, owner i % 2). With an odd one, consumer 1 can reach tile i + stages
-            # (the other's stage) before tile i's TMA has landed: the full barrier is then still
-            # in the phase of tile i, and try_wait.parity of the next phase passes at once (it
-            # reads the parity of the phase before) -- stale data, and the stage released and
-            # refilled under the other consumer (a model of the protocol:
-            # tests/test_mla_ring_protocol.py)
-            self.stages -= self.stages % 2
-        assert self.stages >= 2 and self.stages % consumers == 0, (self.stages, consumers)
+            self.stages -= self.stages % 2             # an even ring (module docstring)
+        if self.stages < 2:
+            raise ValueError(f"smem_limit={v.smem_limit}: room for {self.stages} ring stages, "
+                             "needs 2")
         self.smem_bytes = fixed + self.stages * per_stage
         self.tma_bytes = per_stage
-        # two consumers: the epilogue hands O^T fragments (4 h_pad fp32 per thread in all) and
-        # per-head (max, sum) between the consumers through the ring, once every tile is
-        # consumed; each merges and writes half of the heads (xmerge; the halves of its
-        # fragment's columns: _pair_cols) instead of consumer 0 all of them.
-        # PDSERVE_MLA_SWAPAB_XMERGE=0 turns it off (A/B runs)
-        self.xmerge = (consumers == 2
-                       and env_choice("PDSERVE_MLA_SWAPAB_XMERGE", ("0", "1")) != "0")
-        self.merge_bytes = ((128 * 4 * h_pad + 2 * h_pad * (1 + self.xmerge)) * 4
+        # two consumers: what the epilogue hands over through the ring (O^T fragments and
+        # per-head (max, sum))
+        self.merge_bytes = ((128 * 4 * v.h_pad + 2 * v.h_pad * (1 + self.xmerge)) * 4
                             if consumers == 2 else 0)
-        # fp8, two consumers: each loads, scales and stores half of Q (q_half; the maximum |q|
-        # through smem) instead of both loading all of it and consumer 0 storing it.
-        # PDSERVE_MLA_SWAPAB_QHALF=0 turns it off (A/B runs)
-        self.q_half = (self.kv_fp8 and consumers == 2
-                       and env_choice("PDSERVE_MLA_SWAPAB_QHALF", ("0", "1")) != "0")
-        # tile pool: with more than one split, the last 1/pool_div of each split's tiles goes
-        # into a pool per request that the request's CTAs draw from at run time (one tile a
-        # draw, a per-request counter), so that CTAs that run faster take more; the producer
-        # hands each tile's id to the consumers through smem (`_produce`). fp8 default 4
-        # (session 22: +1.5-4 % at fp8 H=32); bf16 off (it meets its targets without, and its
-        # single-consumer build spills 8 B with the pool). PDSERVE_MLA_SWAPAB_POOL=0|2|4|8
-        # overrides. Off with `deterministic`: which CTA takes a pool tile varies from run to
-        # run, and with it the rounding of the split partials
-        self.pool_div = swapab_pool_div(self.kv_fp8, deterministic)
-        self.pool = self.pool_div > 0
         assert self.merge_bytes <= self.stages * per_stage
-        # d_split: CTAs per (split, request) that each run its tiles and write 512 / d_split
-        # latent dims of O (the module docstring's "Latent halves"); bf16, one consumer and no
-        # pool only (the halves must see the same tiles)
-        if d_split not in (1, 2) or (d_split == 2 and (self.kv_fp8 or consumers != 1
-                                                        or self.pool)):
-            raise ValueError(f"core 'swapab': d_split must be 1, or 2 with a bf16 cache, one "
-                             f"consumer and no tile pool; got {d_split}")
-        self.d_split = d_split
-        self.d_out = D_V // d_split                    # O^T rows (latent dims) of one CTA
-        # fp8 S^T: True = every 64-dim chunk (4 fp8 wgmmas) accumulates into a zeroed fp32
-        # accumulator that is added to S^T with FADDs (two of them alternate, one chunk in flight
-        # while the previous is added); False = one chain of 36 wgmmas into S^T. The fp8 wgmma
-        # accumulator is reported to keep only ~13-14 mantissa bits (DeepSeek-V3 report,
-        # SageAttention2); in a CPU model of that (tests/test_mla_decode_compile.py) one chain of
-        # 36 costs about as much as rounding an fp32 Q to bf16, 9 chunks about a third of it.
-        self.qk_promote = True
-        # fp8 S^T at h_pad 16 as one e4m3 wgmma m64n32k32 per k-step with B = [Q_hi ; Q_lo]
-        # (`_fp8_qk_joint`): each K tile is read from smem once per k-step instead of twice.
-        # The default at h_pad 16 since session 14 (H200, interleaved A/B, us off / on: fp8
-        # H=12 B=64 L=128K 1327-1331 / 1214-1226, B=8 L=32K 46.1-46.7 / 45.2-45.4, H=32 B=1
-        # L=8K 10.08-10.21 / 9.87-9.88, B=8 L=8K 27.8-28.1 / 25.3-25.4; results/
-        # mla_decode_h200_ring_joint_session14.json). Its intermittent launch failures of session
-        # 10 were the odd ring's race (see `stages`), which it made likelier: with the even ring
-        # none in 40,000 calls of the shape that had failed (two machines).
-        # PDSERVE_MLA_SWAPAB_QK_JOINT=0|1 overrides (A/B runs). Not at h_pad 32: its two 64 x 64
-        # chunk accumulators next to O^T spill, and with one the results were wrong (session 10)
-        # fp8 Q terms: 2 = Q_hi + Q_lo, 1 = Q_hi alone (fp8_query="single": the
-        # query rounded to e4m3 as vLLM's fp8 MLA path does; half of S^T's wgmmas)
-        if q_terms not in (1, 2) or (q_terms == 1 and not self.kv_fp8):
-            raise ValueError(f"core 'swapab': q_terms must be 2, or 1 with an fp8 cache; got "
-                             f"{q_terms}")
-        self.q_terms = q_terms
-        self.qk_joint = (env_choice("PDSERVE_MLA_SWAPAB_QK_JOINT", ("0", "1")) != "0"
-                         and self.kv_fp8 and h_pad == 16 and q_terms == 2)
-        # fp8 PV: wgmma groups (pv_group M blocks of one k-step) allowed in flight while the next
-        # A fragments are built; at h_pad 32 (O^T = 128 registers) 2 groups of 2 blocks
-        self.pv_group, self.pv_in_flight = (4, 2) if h_pad == 16 else (2, 3)
-        # the V-load prefetch holds 16 more registers across the softmax: at h_pad 32 the single
-        # consumer then spills (cubin stack 40 B), so it loads per k-step
-        self.pv_prefetch = not (h_pad == 32 and consumers == 1)
-        if not self.pv_prefetch:
-            self.pv_in_flight = 2
-        env = os.environ.get("PDSERVE_MLA_SWAPAB_PV", "")     # A/B runs: "group,in_flight"
-        if env and self.kv_fp8:
-            try:
-                g, f = (int(x) for x in env.split(","))
-            except ValueError:
-                g = f = 0                     # refused below, with the variable's name
-            if g not in (1, 2, 4, 8) or not 1 <= f <= 8:
-                raise ValueError(f"PDSERVE_MLA_SWAPAB_PV={env!r}: 'group,in_flight' with group "
-                                 "1|2|4|8 and in_flight 1..8")
-            self.pv_group, self.pv_in_flight = g, f
-        self.consumer_regs = CONSUMER_REGS
-        # split partials: bf16 for the fp8 cache (half the bytes of fp32 to write here and to
-        # read in the combine; each split's normalized output gets one bf16 rounding, as the
-        # final output does), fp32 for the bf16 cache, whose scalar epilogue stores lost with
-        # bf16 at small B x L. H200, session 8, early_kv, us bf16 / fp32 partials
-        # (results/mla_decode_h200_partials_session8.json): fp8 H=32 B=1 L=8K 10.3 / 13.0,
-        # B=8 L=32K 57.4 / 62.3, B=64 L=8K 106.3 / 110.7, H=12 B=1 L=8K 9.3 / 10.0; bf16 H=12
-        # B=1 L=1K 7.7 / 6.4, H=32 B=1 L=8K 11.2 / 10.8. Session 24, bf16 cache with whole-
-        # sector bf16 stores (_store_cols_bf16), fp32 / bf16 partials, two interleaved rounds
-        # (results/mla_decode_h200_bf16_rows_session24.json): B=1 L=8K H=32 9.92-10.01 /
-        # 10.70-10.78, H=12 7.17-7.21 / 8.14-8.18, B=1 L=1K 6.7 / 7.8 (B=1 calls lose with bf16);
-        # B=1 L=32K 18.8-18.9 / 18.1-18.2, B=8 L=8K 28.6-28.7 / 27.4 (those gain ~4 %).
-        # PDSERVE_MLA_SWAPAB_PARTIAL=bf16|fp32 overrides (A/B runs)
-        env = env_choice("PDSERVE_MLA_SWAPAB_PARTIAL", ("bf16", "fp32"))
-        bf16_part = env == "bf16" if env else self.kv_fp8
-        self.partial_dtype = BFloat16 if bf16_part else Float32
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -591,9 +337,9 @@ class MlaDecodeSwapAbKernel:
         seq_ptr: cute.Pointer,     # [B] int32
         o_ptr: cute.Pointer,       # [B, H, 512] bf16 (final, used when num_splits == 1)
         lse_ptr: cute.Pointer,     # [B, H] fp32 (final, used when num_splits == 1)
-        op_ptr: cute.Pointer,      # [S, B, H, 512] fp32 partials (num_splits > 1)
+        op_ptr: cute.Pointer,      # [S, B, H, 512] partials, partial_dtype (num_splits > 1)
         lsep_ptr: cute.Pointer,    # [S, B, H] fp32 partial LSEs (num_splits > 1)
-        cnt_ptr: cute.Pointer,     # [B, 2] int32 tile-pool counters (pool; cutedsl.pool_counters)
+        cnt_ptr: cute.Pointer,     # [B, 2] int32 tile-pool counters (pool; launch.pool_counters)
         batch: Int32,
         heads: Int32,
         num_pages: Int32,
@@ -647,7 +393,7 @@ class MlaDecodeSwapAbKernel:
             sK_layout = cute.tile_to_shape(atom_k, (TILE_N, D_QK, self.stages), (0, 1, 2))
         # V^T = the first 512 columns of one K stage, as the MN-major A operand [512, 64]: the
         # same bytes (8-token x 64-column swizzle atoms; token blocks first, then columns), the
-        # view wgmma.py uses for its MN-major B operand (bf16 only; d_split 2: 256 of them)
+        # MN-major view of the K-major tile (bf16 only; d_split 2: 256 of them)
         sV_layout = cute.tile_to_shape(atom_mn, (self.d_out, TILE_N), (1, 0))
         # P^T [hp heads, 64 tokens], K-major: one 128-byte swizzle atom row per head
         sP_layout = cute.tile_to_shape(atom_k, (hp, TILE_N), (0, 1))
@@ -752,7 +498,7 @@ class MlaDecodeSwapAbKernel:
             ).make_participants()           # inits the mbarriers, fences and syncs the CTA
 
             if wg == 0:
-                # ---------------- producer (as in wgmma.py) ----------------
+                # ---------------- producer ----------------
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 if warp == 0:
                     if cutlass.const_expr(self.pool):
@@ -1334,7 +1080,7 @@ class MlaDecodeSwapAbKernel:
     @cute.jit
     def _store_cols_bf16(self, src_mn, dst_mn, c_mn, heads, lane, c0: cutlass.Constexpr,
                          c1: cutlass.Constexpr):
-        """bf16 cache, bf16 rows (the output; the partials with PDSERVE_MLA_SWAPAB_PARTIAL=bf16),
+        """bf16 cache, bf16 rows (the output; the partials with bf16_partials),
         fragment columns [c0, c1): src_mn = fp32 O^T [rows, heads] (row r8 + 2 mb = latent dim
         64 mb + 16 w + 8 r8 + g, lane = 4 g + q). Scalar bf16 stores wrote half of a 32-byte
         sector each (a warp's 8 lanes of one head cover 8 consecutive dims). So each thread
@@ -1342,8 +1088,7 @@ class MlaDecodeSwapAbKernel:
         q fetches (two shuffles) the words of lanes 2g and 2g + 1 (mod 8) and keeps their low
         halves (g < 4) or high halves: dims 2g and 2g + 1 of the 16-dim block, one 4-byte
         store; the 8 lanes write 32 contiguous bytes (one sector where rows are 32-byte
-        aligned, as torch allocates them). H200, session 24: 1-2 % faster where the output is
-        the whole epilogue (results/mla_decode_h200_bf16_rows_session24.json)."""
+        aligned, as torch allocates them)."""
         g = lane // 4
         q = lane % 4
         src_a = 4 * ((2 * g) % 8) + q
@@ -1373,7 +1118,7 @@ class MlaDecodeSwapAbKernel:
         64 mb + 16 w + 8 r8 + g = dim 128 w + 16 g + 2 mb + r8 and the view's row index is
         r8 + 2 mb: checked on the static layout at trace time) and start at dim 128 w + 16 g,
         a multiple of 16 elements: 64 bytes (fp32) / 32 bytes (bf16) into a row whose start is
-        16-byte aligned (mla_decode_cutedsl asserts 16-byte aligned tensors; rows are 2,048 /
+        16-byte aligned (launch.check_inputs asserts 16-byte aligned tensors; rows are 2,048 /
         1,024 bytes). So each column is written with 16-byte vector stores (4 x st.global.v4.f32
         / 2 x st.global.v4.b32) instead of 16 scalar stores, predicated per head as before."""
         src_mn = wgmma_c_mn_view(src)
@@ -1593,8 +1338,8 @@ class MlaDecodeSwapAbKernel:
         + 2 bit 2): 8 distinct 16-byte bank groups, conflict free."""
         g = lane // 4
         tig = lane % 4
-        toks = [MlaDecodeSwapAbKernel.row_token(2 * tig + jp) for jp in range(2)]
-        offs = [MlaDecodeSwapAbKernel._raw_offset(tok, 128 * cwarp + 16 * g) for tok in toks]
+        toks = [MlaDecodeKernel.row_token(2 * tig + jp) for jp in range(2)]
+        offs = [MlaDecodeKernel._raw_offset(tok, 128 * cwarp + 16 * g) for tok in toks]
         return toks, offs
 
     def _fp8_qk(self, qk_mma, acc_S, acc_T, tSrK, tSrQ, kstage):
