@@ -2,8 +2,9 @@
 (`mla_step_for("cutedsl")`: the guard accepts a bf16 / fp8 latent pool with K3's 512 + 64 latent)
 and matches the model's torch path.
 
-Per call (teacher-forced): the kernel on the model's real absorbed queries and pages against the
-float64 reference op on the same arguments (per-request relative error < 1.5e-2, as
+Per call (teacher-forced): the kernel (the launch plan's defaults, early_kv among them, as the
+runtime runs it) on the model's real absorbed queries and pages against the reference op on the
+same arguments (per-request relative error < 1.5e-2, as
 tests/gpu/test_mla_decode_gpu.py). End to end over 4 steps: logits within 3e-2 of their max of the
 torch path's, eagerly and replayed from the decode step's CUDA graphs.
 """
@@ -73,8 +74,8 @@ def test_cutedsl_mla_decode_matches_the_torch_path(latent_dtype, fp8_query):
         backends.append(registry.resolve(OP, "cutedsl", problem_from_tensors(*args)).backend)
         out = step(*args, **opts)
         torch.cuda.synchronize()
-        ref, _ = mla_decode_reference(*args, compute_dtype=torch.float64,
-                                      out_dtype=torch.float64, fp8_query=fp8_query or "single")
+        ref, _ = mla_decode_reference(*args, out_dtype=torch.float64,
+                                      fp8_query=fp8_query or "single")
         errs.append(((out[0].double() - ref).flatten(1).norm(dim=1)
                      / ref.flatten(1).norm(dim=1)).max().item())
         return out

@@ -1,11 +1,12 @@
-"""CuTe DSL MLA decode vs the float64 torch reference on the GPU (H200, sm_90a).
+"""CuTe DSL MLA decode vs the torch reference on the GPU (H200, sm_90a).
 
 Fresh random inputs each run; outputs and LSE are NaN-poisoned before the kernel, and the
 padding page and every cache row past a request's end are NaN too, so unwritten outputs or
-reads past the end show up as NaN. The attention cores run every case: "mma" (mma.sync, the
-default), "wgmma" (warpgroup MMA + TMA producer; heads padded to 64) and "swapab" (warpgroup MMA
-with the heads as the MMA's N; bf16, and fp8 with register A operands widened from the raw fp8
-tile -- its fp8 cases had not run on a GPU when they were added).
+reads past the end show up as NaN. Every case runs the launch plan's defaults (what the decode
+runtime and the benchmark run: early_kv, the fp8 single query, the tile pool where planned);
+the other variants are asked for with explicit choices (plan.plan_call's keywords), and each
+check asserts the plan ran what was asked. The reference (reference.py: the model's absorbed
+attention in fp32) rounds the query as the call did.
 """
 import pytest
 import torch
@@ -17,7 +18,6 @@ pytestmark = [
 
 SCALE = 192 ** -0.5
 PAGE = 64
-CORES = ["mma", "wgmma", "swapab"]
 
 
 def _sm90():
@@ -80,8 +80,9 @@ def make_case(lens, H, fp8, page_tokens=PAGE, seed=None, keys="random"):
 
 
 def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
+    """One call with the choices `kw` against the reference; returns the call's plan."""
     from pdserve.kernels.mla_decode import mla_decode_reference
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl, plan_call, resolve_fp8_query
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl, plan_for
     q, cache, bt, seq, kv_scale = make_case(lens, H, fp8, page_tokens, keys=keys)
     B = len(lens)
     out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -89,24 +90,26 @@ def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
     o, l = mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, out=out, lse=lse, **kw)
     torch.cuda.synchronize()
     assert o is out and l is lse
-    core = plan_call(B, H, max(lens), fp8, kw.get("core"), kw.get("early_kv", False),
-                     kw.get("num_splits"), kw.get("head_groups"))[0]
-    # the reference rounds the query as this call did (the kernel's default: "single" on the
-    # swapab core over an fp8 cache)
+    plan = plan_for(q, cache, seq, **kw)
     ref_o, ref_l = mla_decode_reference(q, cache, bt, seq, SCALE, kv_scale,
-                                        compute_dtype=torch.float64, out_dtype=torch.float64,
-                                        fp8_query=resolve_fp8_query(kw.get("fp8_query"), core, fp8))
+                                        out_dtype=torch.float64, fp8_query=plan.fp8_query)
     assert not torch.isnan(out).any(), f"NaN in output ({torch.isnan(out).sum()} elements)"
     assert not torch.isnan(lse).any(), "NaN in lse"
     err = (out.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
     assert err.max() < 1.5e-2, f"max per-request relative error {err.max():.3g} (b={err.argmax()})"
     lerr = (lse.double() - ref_l.double()).abs().max()
-    # swapab's fp8 path computes S on the e4m3 wgmma, whose accumulator keeps ~13 mantissa bits
-    # between its fp32 promotions every 64 dims (swapab.py): logits of |s| ~ 15 then carry
-    # errors of a few 1e-3 (5.4e-3 / 5.9e-3 seen on the H200), the other paths stay < 5e-3
-    ltol = 1e-2 if fp8 and core == "swapab" else 5e-3
-    assert lerr < ltol, f"lse max abs error {lerr:.3g} (core {core}, tolerance {ltol})"
-    return float(err.max()), float(lerr)
+    # the fp8 path computes S on the e4m3 wgmma, whose accumulator keeps ~13 mantissa bits
+    # between its fp32 promotions every 64 dims (attention.py): logits of |s| ~ 15 then carry
+    # errors of a few 1e-3, the bf16 path stays < 5e-3
+    ltol = 1e-2 if fp8 else 5e-3
+    assert lerr < ltol, f"lse max abs error {lerr:.3g} (tolerance {ltol}, plan {plan})"
+    for name, want in kw.items():           # the call ran what was asked
+        if name in ("num_splits", "head_groups"):
+            assert getattr(plan, name) == want, (name, plan)
+        elif name in ("consumers", "pool_div", "d_split", "lazy_max", "q_half", "xmerge",
+                      "qk_joint", "early_kv"):
+            assert getattr(plan.attention, name) == want, (name, plan)
+    return plan
 
 
 LENS = {
@@ -125,39 +128,45 @@ def _b64_lens():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+def test_plan_reads_the_device():
+    """The plan's device properties come from the GPU; its defaults are the runtime's (early_kv;
+    over an fp8 cache the single query)."""
+    from pdserve.kernels.mla_decode.plan import Device, plan_call
+    props = torch.cuda.get_device_properties(0)
+    dev = Device.of("cuda")
+    assert dev.sm_count == props.multi_processor_count
+    assert dev.smem_per_block == 227 * 1024                 # sm_90's opt-in maximum
+    p = plan_call(1, 32, 8192, True, PAGE, dev)
+    assert p.attention.early_kv and p.fp8_query == "single"
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
+@pytest.mark.parametrize("early_kv", [True, False], ids=["early_kv", "plain"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("case", list(LENS))
-@pytest.mark.parametrize("core", CORES)
-def test_matches_reference(core, case, H, fp8):
-    """Each core at its default query rounding (fp8: "single" on swapab, "split" on the others)."""
+def test_matches_reference(case, H, fp8, early_kv):
+    """The plan's defaults (fp8: the single query), with and without early_kv."""
     lens = LENS[case] or _b64_lens()
-    check(lens, H, fp8, core=core)
+    check(lens, H, fp8, early_kv=early_kv)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("case", list(LENS))
-def test_swapab_fp8_split_query(case, H):
-    """fp8_query="split" (the query as Q_hi + Q_lo) on the swapab core, every length case."""
-    check(LENS[case] or _b64_lens(), H, True, core="swapab", fp8_query="split")
-
-
-@pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("page_tokens", [128, 256])
-def test_wgmma_larger_pages(page_tokens, fp8):
-    """Several tiles per page (page row = page * tiles_per_page + t % tiles_per_page)."""
-    check([1, 127, 129, 3000, 20000 + 33], 32, fp8, page_tokens=page_tokens, core="wgmma")
+def test_fp8_split_query(case, H):
+    """fp8_query="split" (the query as Q_hi + Q_lo), every length case."""
+    check(LENS[case] or _b64_lens(), H, True, fp8_query="split")
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("page_tokens", [128, 256])
-def test_swapab_larger_pages(page_tokens, H, fp8):
-    """swapab core, several tiles per page, both head paddings (N = 16 / 32), both caches."""
-    check([1, 127, 129, 3000, 20000 + 33], H, fp8, page_tokens=page_tokens, core="swapab")
+def test_larger_pages(page_tokens, H, fp8):
+    """Several tiles per page (page row = page * tiles_per_page + t % tiles_per_page), both head
+    paddings (N = 16 / 32), both caches."""
+    check([1, 127, 129, 3000, 20000 + 33], H, fp8, page_tokens=page_tokens)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
@@ -166,10 +175,10 @@ def test_swapab_larger_pages(page_tokens, H, fp8):
 @pytest.mark.parametrize("lens,num_splits", [([1], None), ([8192 + 17], None), ([8192 + 17], 3),
                                              ([1, 2, 63, 64, 65, 129, 4097, 40000], None),
                                              ([100, 70000], 300)])
-def test_swapab_head_groups(lens, num_splits, H, fp8):
-    """swapab with each request's heads over 2 CTAs per split (the launch sees B * 2 requests of
-    H / 2 heads reading block-table / seq_lens row b // 2): the reference, for every head."""
-    check(lens, H, fp8, core="swapab", head_groups=2, num_splits=num_splits)
+def test_head_groups(lens, num_splits, H, fp8):
+    """Each request's heads over 2 CTAs per split (the launch sees B * 2 requests of H / 2 heads
+    reading block-table / seq_lens row b // 2): the reference, for every head."""
+    check(lens, H, fp8, head_groups=2, num_splits=num_splits, max_seq_len=max(lens))
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
@@ -178,19 +187,13 @@ def test_swapab_head_groups(lens, num_splits, H, fp8):
                                              ([8192 + 17], 1), ([8192 + 17], 3),
                                              ([1, 64, 65, 129, 3000, 20000 + 33], None),
                                              ([1, 64, 65, 129, 3000, 20000 + 33], 64)])
-@pytest.mark.parametrize("d_split", ["2", "1"])
-def test_swapab_bf16_d_split(d_split, lens, num_splits, H, monkeypatch):
-    """bf16 swapab with O's latent dims divided between 2 CTAs per (split, request), each
-    running the split's tiles and writing its 256 dims (d_split 1: the whole row): one split
-    (the output rows), forced and planned splits with empty ones, partial last tiles, head
-    groups (H=32 / 20 at short contexts), H=12's h_pad 16; the launch ran the asked variant."""
-    from pdserve.kernels.mla_decode.cutedsl import call_variant, plan_call
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_DSPLIT", d_split)
-    check(lens, H, False, num_splits=num_splits, core="swapab")
-    core, splits, groups = plan_call(len(lens), H, max(lens), False, "swapab", False, num_splits)
-    k, _ = call_variant(False, H // groups, PAGE, core, False, groups, max(lens), splits,
-                        batch=len(lens) * groups)
-    assert k.d_split == int(d_split)
+@pytest.mark.parametrize("d_split", [2, 1])
+def test_bf16_d_split(d_split, lens, num_splits, H):
+    """bf16 with O's latent dims divided between 2 CTAs per (split, request), each running the
+    split's tiles and writing its 256 dims (d_split 1: the whole row): one split (the output
+    rows), forced and planned splits with empty ones, partial last tiles, head groups (H=32 /
+    20 at short contexts), H=12's h_pad 16; the launch ran the asked variant (check)."""
+    check(lens, H, False, num_splits=num_splits, max_seq_len=max(lens), d_split=d_split)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
@@ -198,23 +201,25 @@ def test_swapab_bf16_d_split(d_split, lens, num_splits, H, monkeypatch):
 @pytest.mark.parametrize("lens,num_splits", [
     ([1], None), ([8192 + 17], None), ([131072], None), ([8192 + 17], 3), ([100, 70000], 300),
     ([1, 2, 63, 64, 65, 129, 4097, 40000], None), ("B64", None)])
-def test_swapab_fp8_single_query(lens, num_splits, H):
+def test_fp8_single_query(lens, num_splits, H):
     """fp8_query="single": the query as one e4m3 term, against the reference that rounds it the
     same way (quantize_query_e4m3). The split and single roundings differ by far more than the
     tolerance (~5e-2 relative output error on these inputs), so this fails if either side
     does not round. One and two consumers, head groups (H = 20, 32 short), split counts."""
-    check(_b64_lens() if lens == "B64" else lens, H, True, core="swapab", fp8_query="single",
-          num_splits=num_splits)
+    lens = _b64_lens() if lens == "B64" else lens
+    plan = check(lens, H, True, fp8_query="single", num_splits=num_splits,
+                 max_seq_len=max(lens))
+    assert plan.attention.q_terms == 1
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 def test_fp8_query_refusals():
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl
     q, cache, bt, seq, kv_scale = make_case([100], 12, True)
     with pytest.raises(ValueError, match="fp8_query must be"):
         mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, fp8_query="half")
-    with pytest.raises(ValueError, match="needs the swapab core"):
-        mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, fp8_query="single", core="mma")
+    with pytest.raises(TypeError, match="core"):
+        mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv_scale, core="mma")
     # a bf16 cache has no fp8 query: "single" changes nothing there
     qb, cb, btb, sb, _ = make_case([100], 12, False)
     a = mla_decode_cutedsl(qb, cb, btb, sb, SCALE, fp8_query="single")
@@ -224,43 +229,41 @@ def test_fp8_query_refusals():
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("num_splits", [1, 3, 64, 300])
-def test_forced_splits(num_splits, core, fp8):
+def test_forced_splits(num_splits, fp8):
     """Both epilogues (direct and partial + combine), many empty splits."""
-    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core=core)
+    lens = [1, 65, 3000, 9000, 128, 77, 5, 20000]
+    check(lens, 32, fp8, num_splits=num_splits, max_seq_len=max(lens))
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 4), (2, 8), (4, 8), (4, 16), (8, 32), (16, 16)])
 @pytest.mark.parametrize("num_splits", [3, 64, 300])
-def test_combine_shapes(num_splits, shape, fp8, monkeypatch):
-    """Each combine shape (column chunks, split groups) -- those choose_combine picks and others --
-    forced for every call, against the reference: splits beyond a thread's first UNROLL loads,
+def test_combine_shapes(num_splits, shape, fp8):
+    """Each combine shape (column chunks, split groups) -- those the plan picks and others --
+    asked for explicitly, against the reference: splits beyond a thread's first UNROLL loads,
     empty splits, fp32 (bf16 cache) and bf16 (fp8 cache) partials."""
-    from pdserve.kernels.mla_decode import cutedsl
-    monkeypatch.setattr(cutedsl, "choose_combine", lambda *args: shape)
-    check([1, 65, 3000, 9000, 128, 77, 5, 20000], 32, fp8, num_splits=num_splits, core="swapab")
+    lens = [1, 65, 3000, 9000, 128, 77, 5, 20000]
+    plan = check(lens, 32, fp8, num_splits=num_splits, max_seq_len=max(lens), combine=shape)
+    assert (plan.combine.chunks, plan.combine.groups) == shape
 
 
-# swapab consumer warpgroups: (cache, PDSERVE_MLA_SWAPAB_CONSUMERS); the defaults (fp8: 2, bf16:
-# 1) run in every other test
-SWAPAB_VARIANTS = {"fp8-1": (True, "1"), "bf16-2": (False, "2"), "fp8-2": (True, "2")}
+# consumer warpgroups that are not the plan's default for long splits (fp8: 2, bf16: 1)
+CONSUMER_VARIANTS = {"fp8-1": (True, 1), "bf16-2": (False, 2), "fp8-2": (True, 2)}
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
-@pytest.mark.parametrize("variant", list(SWAPAB_VARIANTS))
-def test_swapab_consumer_variants(variant, num_splits, H, monkeypatch):
-    """swapab with one / two consumer warpgroups (tiles alternate between the two, merged in
-    the epilogue): splits of 1 tile (consumer 1 empty), 2, odd and even tile counts, both
+@pytest.mark.parametrize("variant", list(CONSUMER_VARIANTS))
+def test_consumer_variants(variant, num_splits, H):
+    """One / two consumer warpgroups (tiles alternate between the two, merged in the
+    epilogue): splits of 1 tile (consumer 1 empty), 2, odd and even tile counts, both
     epilogues."""
-    fp8, consumers = SWAPAB_VARIANTS[variant]
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
-    check([1, 64, 65, 128, 129, 192, 3000, 20000 + 33], H, fp8, num_splits=num_splits,
-          core="swapab")
+    fp8, consumers = CONSUMER_VARIANTS[variant]
+    lens = [1, 64, 65, 128, 129, 192, 3000, 20000 + 33]
+    check(lens, H, fp8, num_splits=num_splits, max_seq_len=max(lens), consumers=consumers)
 
 
 # lengths for the fp8 epilogue / PV test: splits of 1 tile (consumer 1 empty), 2, 3 (odd), 4 (even)
@@ -269,111 +272,99 @@ def test_swapab_consumer_variants(variant, num_splits, H, monkeypatch):
 CANDIDATE_LENS = [1, 64, 65, 128, 129, 192, 256, 3000, 20000 + 33]
 
 
+def _lens_kw(lens, num_splits):
+    return dict(num_splits=num_splits, max_seq_len=max(lens))
+
+
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
-@pytest.mark.parametrize("consumers", ["2", "1"])
-def test_swapab_fp8_epilogue_and_pv(consumers, num_splits, H, monkeypatch):
-    """fp8 swapab: the 16-byte vector epilogue (bf16 output at 1 split, fp32 partials
-    otherwise) and the V-prefetching PV, with two (default) and one consumer warpgroups. The
-    outputs are NaN-poisoned by check(), so a missed store shows up."""
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
-    check(CANDIDATE_LENS, H, True, num_splits=num_splits, core="swapab", head_groups=1)
-    check([8192 + 17], H, True, num_splits=num_splits, core="swapab", early_kv=True,
-          head_groups=1)
+@pytest.mark.parametrize("consumers", [2, 1])
+def test_fp8_epilogue_and_pv(consumers, num_splits, H):
+    """fp8: the 16-byte vector epilogue (bf16 output at 1 split, bf16 partials otherwise) and
+    the V-prefetching PV, with two and one consumer warpgroups. The outputs are NaN-poisoned
+    by check(), so a missed store shows up."""
+    check(CANDIDATE_LENS, H, True, consumers=consumers, head_groups=1,
+          **_lens_kw(CANDIDATE_LENS, num_splits))
+    check([8192 + 17], H, True, consumers=consumers, head_groups=1, early_kv=True,
+          **_lens_kw([8192 + 17], num_splits))
     if H == 32:                     # H = 24 (h_pad 32, heads 24..31 padded: stores predicated)
-        check([1, 65, 3000], 24, True, num_splits=num_splits, core="swapab", head_groups=1)
+        check([1, 65, 3000], 24, True, consumers=consumers, head_groups=1,
+              **_lens_kw([1, 65, 3000], num_splits))
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("H", [12, 32])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
-@pytest.mark.parametrize("qhalf,xmerge", [("1", "1"), ("0", "1"), ("1", "0")])
-def test_swapab_fp8_pair_halves(qhalf, xmerge, num_splits, H, monkeypatch):
+@pytest.mark.parametrize("q_half,xmerge", [(True, True), (False, True), (True, False)])
+def test_fp8_pair_halves(q_half, xmerge, num_splits, H):
     """fp8 two consumers: Q loaded, scaled and stored in halves, one per consumer (q_half, the
     default), or whole by both and stored by consumer 0; the heads merged and written in halves
     (xmerge, the default: consumer 1 empty in one-tile splits) or all by consumer 0; H = 12 /
     10 (h_pad 16: halves of 5 and 4 Q vectors), 32 / 24 (heads 24..31 zero) and two groups of
     16, both query modes; one-tile, empty and long splits; NaN-poisoned outputs."""
-    from pdserve.kernels.mla_decode.cutedsl import kernel_config
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QHALF", qhalf)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_XMERGE", xmerge)
-    k = kernel_config(True, 32, PAGE, core="swapab")
-    assert (k.q_half, k.xmerge) == (qhalf == "1", xmerge == "1")
-    check(CANDIDATE_LENS, H, True, num_splits=num_splits, core="swapab", head_groups=1)
-    check([8192 + 17], H, True, num_splits=num_splits, core="swapab", early_kv=True,
-          head_groups=1, fp8_query="split")
+    kw = dict(consumers=2, q_half=q_half, xmerge=xmerge)
+    check(CANDIDATE_LENS, H, True, head_groups=1, **kw, **_lens_kw(CANDIDATE_LENS, num_splits))
+    check([8192 + 17], H, True, head_groups=1, fp8_query="split", **kw,
+          **_lens_kw([8192 + 17], num_splits))
     if H == 32:
-        check([1, 65, 3000], 24, True, num_splits=num_splits, core="swapab", head_groups=1)
-        check([129, 8192 + 17], 32, True, num_splits=num_splits, core="swapab",
-              early_kv=True, head_groups=2)
+        check([1, 65, 3000], 24, True, head_groups=1, **kw, **_lens_kw([1, 65, 3000], num_splits))
+        check([129, 8192 + 17], 32, True, head_groups=2, **kw,
+              **_lens_kw([129, 8192 + 17], num_splits))
     else:
-        check([1, 65, 3000], 10, True, num_splits=num_splits, core="swapab", head_groups=1)
+        check([1, 65, 3000], 10, True, head_groups=1, **kw, **_lens_kw([1, 65, 3000], num_splits))
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("joint", ["1", "0"])
+@pytest.mark.parametrize("joint", [True, False])
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
-@pytest.mark.parametrize("consumers", ["2", "1"])
-def test_swapab_fp8_qk_joint(consumers, num_splits, joint, monkeypatch):
+@pytest.mark.parametrize("consumers", [2, 1])
+def test_fp8_qk_joint(consumers, num_splits, joint):
     """fp8 S^T at h_pad 16 with and without the joint [Q_hi ; Q_lo] operand (one e4m3 wgmma
     m64n32k32 per k-step, chunks folded into S^T): H = 12, H = 10 (rows 10..15 zero) and
-    H = 32 as two head groups of 16, one / two consumers, partial tiles, forced splits."""
-    from pdserve.kernels.mla_decode.cutedsl import kernel_config
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_QK_JOINT", joint)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", consumers)
-    assert kernel_config(True, 16, PAGE, core="swapab").qk_joint == (joint == "1")
-    assert not kernel_config(True, 32, PAGE, core="swapab").qk_joint    # h_pad 32: never
-    # (the split query: the single one has no Q_lo to join)
-    check(CANDIDATE_LENS, 12, True, num_splits=num_splits, core="swapab", head_groups=1,
-          fp8_query="split")
-    check([1, 65, 3000], 10, True, num_splits=num_splits, core="swapab", head_groups=1,
-          fp8_query="split")
-    check([129, 8192 + 17], 32, True, num_splits=num_splits, core="swapab", early_kv=True,
-          head_groups=2, fp8_query="split")
+    H = 32 as two head groups of 16, one / two consumers, partial tiles, forced splits (the
+    split query: the single one has no Q_lo to join)."""
+    kw = dict(consumers=consumers, qk_joint=joint, fp8_query="split")
+    check(CANDIDATE_LENS, 12, True, head_groups=1, **kw, **_lens_kw(CANDIDATE_LENS, num_splits))
+    check([1, 65, 3000], 10, True, head_groups=1, **kw, **_lens_kw([1, 65, 3000], num_splits))
+    check([129, 8192 + 17], 32, True, head_groups=2, **kw,
+          **_lens_kw([129, 8192 + 17], num_splits))
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("keys", ["rising", "falling", "step", "random"])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("lazy", ["1", "0"])
-def test_swapab_fp8_lazy_maxima(lazy, num_splits, keys, monkeypatch):
-    """fp8 two consumers, lazy column maxima (on by default) and exact ones, on keys whose
+@pytest.mark.parametrize("lazy", [True, False])
+def test_fp8_lazy_maxima(lazy, num_splits, keys):
+    """fp8 two consumers, lazy column maxima (the default) and exact ones, on keys whose
     running maxima rise through the sequence, fall (never after the first tiles), jump by ~10
     nats deep inside it (the exact step then rescales O^T by ~2^-14), or are random; long
     splits, partial last tiles, H = 32 / 24 / 12."""
-    from pdserve.kernels.mla_decode.cutedsl import kernel_config
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_LAZY", lazy)
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_CONSUMERS", "2")
-    for hp in (16, 32):
-        k = kernel_config(True, hp, PAGE, core="swapab")
-        assert k.lazy_max == (lazy == "1") and k.p_bufs == (2 if lazy == "1" else 1)
     lens = [3000, 20000 + 33, 64 * 37, 129]
-    check(lens, 32, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1)
-    check(lens[:2], 24, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1)
-    check(lens[:2], 12, True, keys=keys, num_splits=num_splits, core="swapab", head_groups=1,
-          early_kv=True)
+    kw = dict(consumers=2, lazy_max=lazy, head_groups=1, keys=keys)
+    check(lens, 32, True, **kw, **_lens_kw(lens, num_splits))
+    check(lens[:2], 24, True, **kw, **_lens_kw(lens[:2], num_splits))
+    check(lens[:2], 12, True, **kw, **_lens_kw(lens[:2], num_splits), early_kv=False)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("core", CORES)
-def test_cuda_graph_replay_matches_eager(core):
+@pytest.mark.parametrize("early_kv", [True, False], ids=["early_kv", "plain"])
+def test_cuda_graph_replay_matches_eager(early_kv):
     from functools import partial
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
-    mla_decode_cutedsl = partial(mla_decode_cutedsl, core=core)
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl
+    run = partial(mla_decode_cutedsl, early_kv=early_kv, num_splits=16)
     q, cache, bt, seq, kv_scale = make_case([100, 5000, 70000, 1], 32, False)
-    o1, l1 = mla_decode_cutedsl(q, cache, bt, seq, SCALE, num_splits=16)
+    o1, l1 = run(q, cache, bt, seq, SCALE)
     out = torch.empty_like(o1)
     lse = torch.empty_like(l1)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        mla_decode_cutedsl(q, cache, bt, seq, SCALE, num_splits=16, out=out, lse=lse)
+        run(q, cache, bt, seq, SCALE, out=out, lse=lse)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        mla_decode_cutedsl(q, cache, bt, seq, SCALE, num_splits=16, out=out, lse=lse)
+        run(q, cache, bt, seq, SCALE, out=out, lse=lse)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     g.replay()
@@ -391,20 +382,18 @@ def test_registry_resolves_cutedsl_on_h200():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
-@pytest.mark.parametrize("core", ["mma", "wgmma", "swapab"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
-    """early_kv reads the cache before the PDL wait. Eager: the reference. Then a CUDA graph of
-    several calls back to back (each the previous one's PDL dependent, the previous combine
-    still running while the next main kernel loads its tiles) gives the same bits as eager
-    (deterministic: without the swapab fp8 tile pool, whose draws vary the rounding;
-    test_swapab_tile_pool replays the pool back to back against the reference)."""
+def test_early_kv_back_to_back_calls(fp8):
+    """early_kv reads the cache before the PDL wait. A CUDA graph of several calls back to back
+    (each the previous one's PDL dependent, the previous combine still running while the next
+    attention kernel loads its tiles) gives the same bits as eager (deterministic: without the
+    fp8 tile pool, whose draws vary the rounding; test_tile_pool replays the pool back to back
+    against the reference)."""
     from functools import partial
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl
     for lens in ([1], [65], [8192 + 17], [1, 2, 63, 64, 65, 129, 4097, 40000]):
-        check(lens, 12 if core == "mma" else 32, fp8, core=core, early_kv=True)
-    run = partial(mla_decode_cutedsl, core=core, early_kv=True, num_splits=16,
-                  deterministic=True)
+        check(lens, 32, fp8, early_kv=True)
+    run = partial(mla_decode_cutedsl, early_kv=True, num_splits=16, deterministic=True)
     cases = [make_case(lens, 12, fp8) for lens in ([100, 5000], [70000, 1], [8192, 8192])]
     want = [run(q, c, bt, seq, SCALE, kv) for q, c, bt, seq, kv in cases]
     outs = [(torch.empty_like(o), torch.empty_like(l)) for o, l in want]
@@ -430,41 +419,42 @@ def test_early_kv_matches_reference_and_back_to_back_calls(core, fp8):
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("num_splits", [None, 3, 64])
-@pytest.mark.parametrize("pool_div", ["2", "4", "8"])
-def test_swapab_tile_pool(pool_div, num_splits, fp8, monkeypatch):
-    """PDSERVE_MLA_SWAPAB_POOL=N: each split's last 1/N of tiles drawn at run time by the
-    request's CTAs. Every tile must be taken once (outputs against the reference) over mixed
-    lengths (short and empty splits, a short last split), H = 32 / 12, early_kv, two head
-    groups (a pool each); then a CUDA
-    graph of three calls replayed three times, each replay against the reference (the pool is
-    not bit-deterministic), and the counters back at zero after each (each call's last CTA
-    resets them)."""
+@pytest.mark.parametrize("pool_div", [2, 4, 8])
+def test_tile_pool(pool_div, num_splits, fp8):
+    """pool_div=N: each split's last 1/N of tiles drawn at run time by the request's CTAs.
+    Every tile must be taken once (outputs against the reference) over mixed lengths (short
+    and empty splits, a short last split), H = 32 / 12, early_kv, two head groups (a pool
+    each); then a CUDA graph of three calls replayed three times, each replay against the
+    reference (the pool is not bit-deterministic), and the counters back at zero after each
+    (each call's last CTA resets them)."""
     from pdserve.kernels.mla_decode import mla_decode_reference
-    from pdserve.kernels.mla_decode.cutedsl import kernel_config, mla_decode_cutedsl, pool_counters
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", pool_div)
-    assert kernel_config(fp8, 32, PAGE, core="swapab").pool_div == int(pool_div)
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl, plan_for, pool_counters
     lens = [1, 65, 256, 3000, 9000 + 17, 20000 + 33, 64 * 37, 129]
+    kw = dict(pool_div=pool_div, consumers=2 if fp8 else 1, **_lens_kw(lens, num_splits))
     for H in (32, 12):
-        check(lens, H, fp8, num_splits=num_splits, core="swapab", head_groups=1)
-    check([8192 + 17, 40000, 5], 32, fp8, num_splits=num_splits, core="swapab", early_kv=True,
-          head_groups=1)
+        check(lens, H, fp8, head_groups=1, **kw)
+    lens2 = [8192 + 17, 40000, 5]
+    check(lens2, 32, fp8, head_groups=1, early_kv=True, pool_div=pool_div,
+          **_lens_kw(lens2, num_splits))
     # two head groups: each group's CTAs draw from their own pool (every group needs every tile)
-    check([129, 8192 + 17, 3000], 32, fp8, num_splits=num_splits, core="swapab", head_groups=2)
+    lens3 = [129, 8192 + 17, 3000]
+    check(lens3, 32, fp8, head_groups=2, pool_div=pool_div, **_lens_kw(lens3, num_splits))
     cases = [make_case(lens, 32, fp8) for lens in ([100, 5000], [70000, 1, 33000], [8192] * 4)]
-    refs = [mla_decode_reference(q, c, bt, seq, SCALE, kv, compute_dtype=torch.float64,
-                                 out_dtype=torch.float64, fp8_query="single")
-            for q, c, bt, seq, kv in cases]     # (the kernel's default query rounding)
+    msls = [int(seq.max()) for _, _, _, seq, _ in cases]   # host syncs stay out of capture
+    choices = dict(early_kv=True, head_groups=1, num_splits=num_splits, pool_div=pool_div)
+    plans = [plan_for(q, c, seq, max_seq_len=msl, **choices)
+             for (q, c, _, seq, _), msl in zip(cases, msls)]
+    refs = [mla_decode_reference(q, c, bt, seq, SCALE, kv, out_dtype=torch.float64,
+                                 fp8_query=p.fp8_query)
+            for (q, c, bt, seq, kv), p in zip(cases, plans)]
     outs = [(torch.empty(q.shape[0], 32, 512, dtype=torch.bfloat16, device="cuda"),
              torch.empty(q.shape[0], 32, dtype=torch.float32, device="cuda"))
             for q, *_ in cases]
 
-    msls = [int(seq.max()) for _, _, _, seq, _ in cases]   # host syncs stay out of capture
-
     def run_all():
         for (q, c, bt, seq, kv), (o, l), msl in zip(cases, outs, msls):
-            mla_decode_cutedsl(q, c, bt, seq, SCALE, kv, max_seq_len=msl, out=o,
-                               lse=l, core="swapab", early_kv=True, head_groups=1,
-                               num_splits=num_splits)
+            mla_decode_cutedsl(q, c, bt, seq, SCALE, kv, max_seq_len=msl, out=o, lse=l,
+                               **choices)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -491,32 +481,32 @@ def test_swapab_tile_pool(pool_div, num_splits, fp8, monkeypatch):
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("num_splits", [None, 3, 64])
-@pytest.mark.parametrize("pool_div", ["0", "4"])
-def test_swapab_every_tile_counted_once(pool_div, num_splits, fp8, monkeypatch):
+@pytest.mark.parametrize("pool_div", [0, 4])
+def test_every_tile_counted_once(pool_div, num_splits, fp8):
     """Flat scores (make_case keys="flat"): each head's LSE is its score + ln L, so a tile
     taken twice or missed moves it by ln(1 +- tile / L) >= 4.8e-4 at these lengths (each last
     tile holds >= 34 tokens), while the split combine's rounding stays ~1e-6. Against the same
-    call in one split without the pool (l = L summed exactly, no combine), with the pool
-    forced on every split's quarter (PDSERVE_MLA_SWAPAB_POOL=4) or off (0), at several split
-    counts; outputs against the float64 reference."""
+    call in one split without the pool (l = L summed exactly, no combine), with the pool on
+    every split's quarter (pool_div 4) or off (0), at several split counts; outputs against the
+    reference."""
     from pdserve.kernels.mla_decode import mla_decode_reference
-    from pdserve.kernels.mla_decode.cutedsl import mla_decode_cutedsl
-    monkeypatch.setenv("PDSERVE_MLA_SWAPAB_POOL", pool_div)
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl, plan_for
     lens = [64 * 37, 3000, 20020, 9017, 131072, 70050]
     for H in (32, 12):
         q, cache, bt, seq, kv = make_case(lens, H, fp8, keys="flat")
 
         def run(**kw):
-            return mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv, core="swapab",
-                                      max_seq_len=max(lens), head_groups=1, **kw)
+            return mla_decode_cutedsl(q, cache, bt, seq, SCALE, kv, max_seq_len=max(lens),
+                                      head_groups=1, **kw)
 
         one_o, one_l = run(num_splits=1, deterministic=True)
-        o, lse = run(num_splits=num_splits)
+        o, lse = run(num_splits=num_splits, pool_div=pool_div)
         torch.cuda.synchronize()
         dl = (lse - one_l).abs().max()
         assert dl < 1e-4, f"LSE moved by {dl:.3g} from the one-split call (H={H})"
-        ref_o, _ = mla_decode_reference(q, cache, bt, seq, SCALE, kv, fp8_query="single",
-                                        compute_dtype=torch.float64, out_dtype=torch.float64)
+        plan = plan_for(q, cache, seq, max_seq_len=max(lens), head_groups=1)
+        ref_o, _ = mla_decode_reference(q, cache, bt, seq, SCALE, kv, fp8_query=plan.fp8_query,
+                                        out_dtype=torch.float64)
         err = (o.double() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
         assert err.max() < 1.5e-2, err
 
@@ -524,20 +514,23 @@ def test_swapab_every_tile_counted_once(pool_div, num_splits, fp8, monkeypatch):
 @pytest.mark.skipif(not _sm90(), reason="needs sm_90")
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "pool"])
 @pytest.mark.parametrize("early_kv", [False, True])
-def test_swapab_fp8_two_consumer_ring_repeats(early_kv, deterministic):
-    """The shape that exposed the odd two-consumer ring's race (session 14: B=64 L=128K H=12
-    fp8, 2 splits of 1024 tiles, two consumers, joint S^T; with 5 stages 3 of 4000 calls came
-    out wrong, or the launch failed): 3000 calls back to back under full DRAM load, the first
-    close to the reference on a few requests. deterministic: each output and LSE equal bit for
-    bit to the first call's. With the tile pool (the fp8 default here) which CTA takes a pool
-    tile varies, so each call must stay within rounding of the first: that catches a race's
-    garbage, not one lost or doubled tile of 2048 (~5e-4 of the LSE at most), which
-    test_swapab_tile_pool catches against the reference on requests of a few tiles."""
+def test_fp8_two_consumer_ring_repeats(early_kv, deterministic):
+    """The shape that exposed an odd two-consumer ring's race (B=64 L=128K H=12 fp8, 2 splits
+    of 1024 tiles, two consumers, joint S^T with the split query; with 5 stages a few of
+    thousands of calls came out wrong, or the launch failed): 3000 calls back to back under
+    full DRAM load, the first close to the reference on a few requests. deterministic: each
+    output and LSE equal bit for bit to the first call's. With the tile pool (planned here)
+    which CTA takes a pool tile varies, so each call must stay within rounding of the first:
+    that catches a race's garbage, not one lost or doubled tile of 2048 (~5e-4 of the LSE at
+    most), which test_tile_pool catches against the reference on requests of a few tiles."""
     from pdserve.kernels.mla_decode import mla_decode_reference
-    from pdserve.kernels.mla_decode.cutedsl import call_consumers, mla_decode_cutedsl, plan_call
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl
+    from pdserve.kernels.mla_decode.plan import Device, plan_call
     B, L, H = 64, 131072, 12
-    core, splits, _ = plan_call(B, H, L, True, "swapab", early_kv)
-    assert call_consumers(core, True, L, splits) == 2
+    for query in ("split", "single"):
+        plan = plan_call(B, H, L, True, PAGE, Device.of("cuda"), early_kv=early_kv,
+                         deterministic=deterministic, fp8_query=query)
+        assert plan.attention.consumers == 2 and plan.attention.pool_div == (0 if deterministic else 4)
     g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,))))
     npages = 1 + B * (L // PAGE)
     cache = torch.empty(npages, PAGE, 576, dtype=torch.float8_e4m3fn, device="cuda")
@@ -549,27 +542,26 @@ def test_swapab_fp8_two_consumer_ring_repeats(early_kv, deterministic):
     q = torch.randn(B, H, 576, device="cuda", generator=g).to(torch.bfloat16)
     out = torch.empty(B, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(B, H, dtype=torch.float32, device="cuda")
+    for query in ("split", "single"):
+        def call():
+            mla_decode_cutedsl(q, cache, bt, seq, SCALE, 0.05, max_seq_len=L, out=out, lse=lse,
+                               early_kv=early_kv, deterministic=deterministic, fp8_query=query)
 
-    def call():
-        mla_decode_cutedsl(q, cache, bt, seq, SCALE, 0.05, max_seq_len=L, out=out, lse=lse,
-                           core="swapab", early_kv=early_kv, deterministic=deterministic)
-
-    call()
-    first_o, first_l = out.clone(), lse.clone()
-    sub = [0, 37]
-    ref_o, ref_l = mla_decode_reference(q[sub], cache, bt[sub], seq[sub], SCALE, 0.05,
-                                        compute_dtype=torch.float32, out_dtype=torch.float32,
-                                        fp8_query="single")
-    err = (first_o[sub].float() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
-    assert err.max() < 1.5e-2, err
-    bad = torch.zeros((), dtype=torch.int64, device="cuda")
-    o_tol = 0.0 if deterministic else 2e-2 * float(first_o.float().abs().max())
-    l_tol = 0.0 if deterministic else 1e-3
-    for _ in range(3000):
         call()
-        bad += (((out.float() - first_o.float()).abs().max() > o_tol)
-                | ((lse - first_l).abs().max() > l_tol)).to(torch.int64)
-    torch.cuda.synchronize()
-    assert int(bad) == 0, f"{int(bad)} of 3000 calls differ from the first"
+        first_o, first_l = out.clone(), lse.clone()
+        sub = [0, 37]
+        ref_o, ref_l = mla_decode_reference(q[sub], cache, bt[sub], seq[sub], SCALE, 0.05,
+                                            out_dtype=torch.float32, fp8_query=query)
+        err = (first_o[sub].float() - ref_o).flatten(1).norm(dim=1) / ref_o.flatten(1).norm(dim=1)
+        assert err.max() < 1.5e-2, err
+        bad = torch.zeros((), dtype=torch.int64, device="cuda")
+        o_tol = 0.0 if deterministic else 2e-2 * float(first_o.float().abs().max())
+        l_tol = 0.0 if deterministic else 1e-3
+        for _ in range(1500):
+            call()
+            bad += (((out.float() - first_o.float()).abs().max() > o_tol)
+                    | ((lse - first_l).abs().max() > l_tol)).to(torch.int64)
+        torch.cuda.synchronize()
+        assert int(bad) == 0, f"{int(bad)} of 1500 calls ({query} query) differ from the first"
     del cache
     torch.cuda.empty_cache()
