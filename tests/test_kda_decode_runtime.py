@@ -103,11 +103,14 @@ def test_conv_weight_cache_follows_a_checkpoint_loaded_after_a_step(tmp_path):
 
 def test_registry_cutedsl_entry_launches_with_pdl(monkeypatch):
     """The runtime's backend entry launches with PDL (the contract above is what makes it safe);
-    an explicit pdl= still wins. (The kernel itself needs a Hopper GPU: tests/gpu.)"""
+    an explicit pdl=False turns it off, and the other keywords pass through. (The kernel itself
+    needs a Hopper GPU: tests/gpu.)"""
     import pdserve.kernels.kda_decode as kd
     assert registry._entries[(OP, "cutedsl")].impl is kda_decode_cutedsl_runtime
     seen = []
-    monkeypatch.setattr(kd, "kda_decode_cutedsl", lambda *a, **kw: seen.append(kw.get("pdl")))
+    monkeypatch.setattr(kd, "kda_decode_cutedsl",
+                        lambda *a, **kw: seen.append((len(a), kw)))
     kda_decode_cutedsl_runtime(*range(16))
     kda_decode_cutedsl_runtime(*range(16), pdl=False)
-    assert seen == [kd.RUNTIME_PDL, False] and kd.RUNTIME_PDL is True
+    kda_decode_cutedsl_runtime(*range(16), cluster=2)
+    assert seen == [(16, {"pdl": True}), (16, {"pdl": False}), (16, {"pdl": True, "cluster": 2})]

@@ -13,7 +13,7 @@ and update `state_pool` / `conv_pool` in place. The decode runtime picks one wit
 which falls back to the reference (logging why, once) whenever `cutedsl_guard` refuses.
 
 The registry's "cutedsl" entry (`kda_decode_cutedsl_runtime`) launches the kernel with
-programmatic dependent launch (PDL; PDSERVE_KDA_PDL=0 turns it off): whoever calls it through the
+programmatic dependent launch (PDL; pdl=False turns it off): whoever calls it through the
 registry takes on the PDL contract of `kda_decode_cutedsl`, i.e. the kernel immediately before it in
 the stream must not write slot_idx, the pools or the parameters. The decode runtime keeps it in
 `pdserve.model.kda.KDAAttention.forward` (cached packed conv weight, int32 slot ids built with the
@@ -21,7 +21,6 @@ batch). Direct calls of `kda_decode_cutedsl` launch without PDL unless asked.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 import torch
@@ -143,19 +142,15 @@ def kda_decode_cutedsl(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias,
                           first_wave=first_wave)
 
 
-RUNTIME_PDL = os.environ.get("PDSERVE_KDA_PDL", "1") != "0"
-
-
-def kda_decode_cutedsl_runtime(*args, **kwargs):
-    """`kda_decode_cutedsl` as the decode runtime launches it: with PDL (unless
-    PDSERVE_KDA_PDL=0 at import), so its slot, pool and parameter loads overlap the tail of the
-    kernel before it. The caller must keep the PDL contract (see `kda_decode_cutedsl`)."""
-    kwargs.setdefault("pdl", RUNTIME_PDL)
-    return kda_decode_cutedsl(*args, **kwargs)
+def kda_decode_cutedsl_runtime(*args, pdl: bool = True, **kwargs):
+    """`kda_decode_cutedsl` as the decode runtime launches it: with PDL by default, so its slot,
+    pool and parameter loads overlap the tail of the kernel before it. The caller must keep the
+    PDL contract (see `kda_decode_cutedsl`)."""
+    return kda_decode_cutedsl(*args, pdl=pdl, **kwargs)
 
 
 registry.register(OP, registry.REFERENCE, kda_decode_reference)
 registry.register(OP, "cutedsl", kda_decode_cutedsl_runtime, cutedsl_guard)
 
 __all__ = ["OP", "SUPPORTED_HEADS", "kda_decode_problem", "cutedsl_guard", "kda_decode_cutedsl",
-           "kda_decode_cutedsl_runtime", "kda_decode_reference", "RUNTIME_PDL"]
+           "kda_decode_cutedsl_runtime", "kda_decode_reference"]

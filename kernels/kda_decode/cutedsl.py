@@ -30,14 +30,9 @@ Geometry (the split design of vLLM's Blackwell `KdaSplit`, written from scratch 
 Slot 0 is padding: a request whose slot index is 0 touches neither pool and gets output zeros.
 H, B and the pool sizes are run-time values; the compiled variants are (C, conv layout, decay form,
 PDL); each compiles in well under a second, also on a CPU-only machine (CUTE_DSL_ARCH=sm_90a).
-
-Status on the H200 (session 17, results/kda_decode_h200_session17.json, PDL, state addressed as
-the runtime does: a pool per layer, rows in slot order): H=12 B=1 2.1 us, H=12 B=64 27.8 / 27.6
-us on two machines (88 % of the copy floor; the issue's target is 28; 27.5-27.8 in interleaved
-rounds on three, 28.0-28.5 with random slots of one large pool), H=96 B=64 209.0 / 208.4 us
-(1.07x the floor). What was tried against the H=12 B=64 gap (occupancy caps, shared memory
-staging, two-CTA splits, persistent grids, cache hints, early_rows, 512-thread CTAs, per-CTA
-timelines, the first wave), each with its JSON: docs/kernel_history.md.
+`launch` resolves the launch choices (cluster size, early row passes, first wave) for a call;
+each is also an explicit argument. Measured figures: docs/kernels.md and
+benchmarks/results/kda_decode_h200.json.
 """
 from __future__ import annotations
 
@@ -452,10 +447,9 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
 
 def choose_cluster(batch: int, heads: int, pdl: bool = False) -> int:
     """CTAs per (request, head): a few at small batch to spread the state over more SMs, 1 once
-    there are enough (request, head) pairs. From the H200 sweeps of 2026-11-29
-    (benchmarks/results/kda_decode_*.json): without PDL up to 256 CTAs in total; with PDL, whose
-    early loads already hide most of the latency, only up to 64. 8-CTA clusters compile and work
-    but never won."""
+    there are enough (request, head) pairs: without PDL up to 256 CTAs in total; with PDL, whose
+    early loads already hide most of the latency, only up to 64 (H200 sweeps). 8-CTA clusters
+    compile and work but never won."""
     limit = 64 if pdl else 256
     c = 4
     while c > 1 and batch * heads * c > limit:
@@ -467,15 +461,9 @@ def choose_early_rows(batch: int, heads: int, cluster: int) -> int | None:
     """PDL: state row passes each CTA loads before griddepcontrol.wait (None = all; the grid's
     first `choose_first_wave` CTAs load all of them regardless). With all of them early, a grid
     of many CTAs leaves DRAM idle after the wait while every resident CTA waits on the projected
-    rows. On the H200, 2 early and the rest after the wait was 1-4 % faster at H=12 B=16 / 64
-    (same-machine A/B), 0-1 % at H=32 B=64 and 0-0.5 % slower at H=96 B=64; against the
-    session-5 file it was faster at H=12 B=32 and H=32 B=4..8 and 0.3-0.6 us slower below 128
-    CTAs (H=12 B=2..8, H=32 B=1..2, H=96 B=1), so smaller grids keep every load early
-    (results/kda_decode_h200_session10_ab.json, kda_decode_h200_early_rows.json,
-    kda_decode_h200_min32calls.json). With the first wave (session 15, same-machine A/B, us,
-    2 -> 3 early): H=12 B=64 28.38-28.50 -> 28.13-28.20, B=16 8.24-8.64 -> 8.00-8.06, H=32
-    B=64 71.69-71.77 -> 71.30-71.62, H=12 B=32 and H=96 B=64 unchanged; 4 was slower
-    (results/kda_decode_h200_first_wave_session15.json)."""
+    rows. On the H200, a few early passes and the rest after the wait were faster for grids of
+    >= 128 CTAs and slower below, so smaller grids keep every load early; with the first wave,
+    3 early passes beat 2 and 4."""
     return 3 if batch * heads * cluster >= 128 else None
 
 
@@ -484,14 +472,30 @@ def choose_first_wave(device_index: int) -> int:
     """PDL with early_rows < all: how many CTAs, in launch order, still load every row pass
     before the wait: one per SM. The first CTAs of a grid become resident as the previous grid
     drains and wait there; loading their whole state meanwhile keeps DRAM busy through that
-    tail, while the later CTAs (which pass the wait at once) keep the early_rows order.
-    H200, interleaved A/B (results/kda_decode_h200_first_wave_session15.json), us with PDL and
-    2 early row passes, 0 -> 132: H=12 B=64 29.29-29.47 -> 28.39-28.48, B=32 16.03-16.09 ->
-    14.98-15.08, B=16 9.19-9.34 -> 8.13-8.30, H=32 B=32 37.84-37.91 -> 37.38-37.48, H=96 B=64
-    211.2-211.8 -> 210.1-210.7; 264 (two per SM) gained nothing at H=12 B=64, 100 and 150-166
-    were within a few % of 132 either way (100 best at H=12 B=16, 7.8 us)."""
+    tail, while the later CTAs (which pass the wait at once) keep the early_rows order. On the
+    H200 one per SM was faster than none at every measured shape and two per SM gained
+    nothing; the SM count is read from the device."""
     import torch
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check_first_wave(first_wave) -> None:
+    if first_wave is not None and not (isinstance(first_wave, int) and 0 <= first_wave < 2 ** 31):
+        raise ValueError(f"first_wave must be None or an int in [0, 2^31), got {first_wave!r}")
+
+
+def launch_choices(batch: int, heads: int, pdl: bool, device_index: int, *,
+                   cluster: int | None = None, early_rows: int | None = None,
+                   first_wave: int | None = None, min_blocks: int = 0) -> dict:
+    """Every launch choice of one call, the caller's where given, else the default
+    (choose_cluster, choose_early_rows, choose_first_wave for device `device_index`): the one
+    place they are resolved (`launch`; the benchmark records and passes them)."""
+    _check_first_wave(first_wave)
+    C = cluster or choose_cluster(batch, heads, pdl)
+    return dict(cluster=C,
+                early_rows=choose_early_rows(batch, heads, C) if early_rows is None else early_rows,
+                first_wave=choose_first_wave(device_index) if first_wave is None else first_wave,
+                min_blocks=min_blocks)
 
 
 def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight, eps,
@@ -499,21 +503,18 @@ def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight
            cluster: int | None = None, pdl: bool = False, min_blocks: int = 0,
            early_rows: int | None = None, first_wave: int | None = None):
     """Run the kernel on the current torch stream (arguments already validated by the guard)."""
-    if first_wave is not None and not (isinstance(first_wave, int) and 0 <= first_wave < 2 ** 31):
-        raise ValueError(f"first_wave must be None or an int in [0, 2^31), got {first_wave!r}")
+    _check_first_wave(first_wave)
     import cuda.bindings.driver as cuda
     import torch
 
     B, HD = q.shape
     H = A_log.shape[0]
-    C = cluster or choose_cluster(B, H, pdl)
-    if early_rows is None:
-        early_rows = choose_early_rows(B, H, C)
-    if first_wave is None:
-        first_wave = choose_first_wave(q.device.index if q.device.index is not None
-                                       else torch.cuda.current_device())
-    fn = compile_variant(C, conv_layout, lower_bound is not None, pdl, min_blocks=min_blocks,
-                         early_rows=early_rows)
+    ch = launch_choices(B, H, pdl, q.device.index if q.device.index is not None
+                        else torch.cuda.current_device(), cluster=cluster,
+                        early_rows=early_rows, first_wave=first_wave, min_blocks=min_blocks)
+    first_wave = ch["first_wave"]
+    fn = compile_variant(ch["cluster"], conv_layout, lower_bound is not None, pdl,
+                         min_blocks=ch["min_blocks"], early_rows=ch["early_rows"])
     tensors = (q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight,
                state_pool, conv_pool, slot_idx, out)
     ptrs = [_ptr(dt, t.data_ptr(), al) for t, (_, dt, al) in zip(tensors, _PTR_SPECS)]

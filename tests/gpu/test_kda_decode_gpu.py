@@ -229,8 +229,9 @@ def test_runtime_pdl_step_in_a_cuda_graph_matches_eager():
     """The decode runtime's fused step (registry "cutedsl" entry: PDL launch right after the gate
     projection, cached conv weight, int32 slots from the batch) replayed from a CUDA graph gives
     the eager fused step's logits and state, from the same starting state."""
-    from pdserve.kernels.kda_decode import RUNTIME_PDL
+    import inspect
 
+    from pdserve.kernels.kda_decode import kda_decode_cutedsl_runtime
     from pdserve.decode.graphs import DecodeGraphs
     from pdserve.decode.rank import kda_step_for
     from pdserve.model.config import preset, preset_dict
@@ -238,7 +239,7 @@ def test_runtime_pdl_step_in_a_cuda_graph_matches_eager():
     from pdserve.model.sampling import Request, SamplingParams
     from pdserve.state.layout import StateLayout
 
-    assert RUNTIME_PDL
+    assert inspect.signature(kda_decode_cutedsl_runtime).parameters["pdl"].default is True
     la = {**preset_dict("tiny")["linear_attn_config"], "num_heads": 12, "head_dim": 128,
           "gate_lower_bound": -5.0}
     model = build_model(preset("tiny", hidden_size=256, linear_attn_config=la),
