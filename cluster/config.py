@@ -17,7 +17,6 @@ is one (config.json + *.safetensors), else the preset's seeded weights exported 
 """
 from __future__ import annotations
 
-import os
 import tomllib
 from pathlib import Path
 from typing import Literal, get_args, get_type_hints
@@ -389,14 +388,10 @@ def _allowed(field: str) -> str:
 
 
 def _fp8_query_text(mode: str | None) -> str:
-    """decode.mla_fp8_query in words; unset, the kernel's choice (PDSERVE_MLA_FP8_QUERY, else
-    "single"), read from this process's environment, which the rank processes may not share."""
+    """decode.mla_fp8_query in words; unset, the kernel's default ("single")."""
     terms = {"split": "two e4m3 terms", "single": "single e4m3 term"}
     if mode is not None:
         return terms[mode]
-    env = os.environ.get("PDSERVE_MLA_FP8_QUERY", "")
-    if env:
-        return f"{terms.get(env, repr(env))} from PDSERVE_MLA_FP8_QUERY in this process"
     return "single e4m3 term, the kernel's default"
 
 

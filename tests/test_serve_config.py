@@ -249,12 +249,12 @@ def test_check_prints_the_vllm_topology(capsys):
     assert "4 decode ranks + 1 vLLM actor(s) x (4.0 CPU + 2 GPU); 5 actors, 6 GPUs" in out
 
 
-def test_mla_fp8_query_and_determinism_reach_the_decode_ranks(tmp_path, monkeypatch):
+def test_mla_fp8_query_and_determinism_reach_the_decode_ranks(tmp_path):
     """decode.mla_fp8_query = "single" (with the cutedsl backend over an fp8 latent pool) and
     decode.mla_deterministic = true are what every decode rank is built with, and `pdserve
     check` says so; unset, the query mode is the kernel's default (None; `check` shows
-    "single" over an fp8 pool, or what PDSERVE_MLA_FP8_QUERY asks, nothing without an fp8
-    pool) and determinism false; a non-boolean is refused naming the field."""
+    "single" over an fp8 pool, nothing without an fp8 pool) and determinism false; a
+    non-boolean is refused naming the field."""
     from pdserve.cluster.config import describe
     from pdserve.cluster.serve import decode_kwargs
     path = tmp_path / "fp8.toml"
@@ -271,14 +271,8 @@ def test_mla_fp8_query_and_determinism_reach_the_decode_ranks(tmp_path, monkeypa
     path.write_text("[state]\nlatent_dtype = \"float8_e4m3fn\"\n[decode]\nbackend = \"cutedsl\"\n")
     cfg, model = load_serve_config(path)
     assert decode_kwargs(cfg)["mla_fp8_query"] is None
-    monkeypatch.delenv("PDSERVE_MLA_FP8_QUERY", raising=False)
     assert ("backend cutedsl (MLA fp8 query: single e4m3 term, the kernel's default)"
             in describe(cfg, model))
-    # unset in the config, the kernel follows PDSERVE_MLA_FP8_QUERY: check says so
-    monkeypatch.setenv("PDSERVE_MLA_FP8_QUERY", "split")
-    assert ("backend cutedsl (MLA fp8 query: two e4m3 terms from PDSERVE_MLA_FP8_QUERY in this "
-            "process)" in describe(cfg, model))
-    monkeypatch.delenv("PDSERVE_MLA_FP8_QUERY")
     path.write_text("[decode]\nbackend = \"cutedsl\"\n")
     cfg, model = load_serve_config(path)
     kw = decode_kwargs(cfg)
