@@ -17,17 +17,17 @@ Slots, as the runtime addresses them (the figures of record): each call is anoth
 own pool (SlotPool's [n_kda, slots, H, V, K]), the batch holds slots 1..B (SlotPool hands out the
 lowest free ids) in slot order (RankEngine orders a step's rows by slot). `*_random_slots_us`: the
 same kernel with B random slots of one pool of (sets x B + 1) slots per call, as churn could
-scatter them at worst (this benchmark's pattern before session 17). With --marginal also
+scatter them at worst. With --marginal also
 (t_2N - t_N) / N, which charges no call with the replay's launch or the first call's missing
 predecessor (graph_us_marginal).
-Writes JSON (the environment: device, GPU serial, versions, date; every figure) to
-benchmarks/results/ (or --out) and prints a short table last.
+Every launch choice is passed explicitly (the launcher's `cluster`, `pdl`, `early_rows`,
+`first_wave`; --variants). Writes `kda_decode_<device>.json` (e.g. kda_decode_h200.json: the
+environment and every figure) to benchmarks/results/ (or --out) through common.write_result and
+prints a short table last.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import re
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import capture_graph, environment, event_times_ms  # noqa: E402
+from common import capture_graph, event_times_ms, write_result  # noqa: E402
 
 HEADS = (12, 32, 96)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -161,10 +161,13 @@ class Cell:
 
 
 def ours_calls(cell, cluster=None, pdl=False, min_blocks=0, early_rows=None, first_wave=None):
+    """The cell's calls of the kernel with every launch choice explicit (cutedsl.launch_choices:
+    the given ones, the launcher's defaults for the rest)."""
     from pdserve.kernels.kda_decode import cutedsl
-    return [lambda i=i: cutedsl.launch(**cell.args(i), cluster=cluster, pdl=pdl,
-                                       min_blocks=min_blocks, early_rows=early_rows,
-                                       first_wave=first_wave)
+    ch = cutedsl.launch_choices(cell.B, cell.H, pdl, torch.cuda.current_device(),
+                                cluster=cluster, early_rows=early_rows, first_wave=first_wave,
+                                min_blocks=min_blocks)
+    return [lambda i=i: cutedsl.launch(**cell.args(i), pdl=pdl, **ch)
             for i in range(cell.n_calls)]
 
 
@@ -249,7 +252,8 @@ def quick_check(cell):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kda_decode_<date>.json)")
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    ap.add_argument("--name", default=None, help="result file name (default kda_decode_<device>)")
     ap.add_argument("--heads", type=int, nargs="*", default=list(HEADS))
     ap.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     ap.add_argument("--no-cluster-sweep", action="store_true")
@@ -275,7 +279,7 @@ def main(argv=None):
     dev = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth_GBps()
     print(f"device {dev.name}, copy bandwidth {bw:.0f} GB/s", flush=True)
-    res = {"environment": environment(), "copy_GBps": bw,
+    res = {"copy_GBps": bw,
            "config": {"K": D, "V": D, "conv_width": W, "lower_bound": LOWER_BOUND,
                       "conv_layout": "SD", "rotate_bytes": ROTATE_BYTES,
                       "timing": "median of 20 CUDA-graph replays / calls per graph",
@@ -288,6 +292,8 @@ def main(argv=None):
             cell = Cell(H, B, seed=H * 100 + B)
             state_bytes = 2 * B * H * D * D * 4
             r = {"H": H, "B": B, "floor_us": state_bytes / (bw * 1e9) * 1e6,
+                 "launch_choices": cutedsl.launch_choices(B, H, False, 0),
+                 "launch_choices_pdl": cutedsl.launch_choices(B, H, True, 0),
                  "cluster_default": cutedsl.choose_cluster(B, H),
                  "cluster_default_pdl": cutedsl.choose_cluster(B, H, pdl=True),
                  "calls_per_graph": cell.n_calls,
@@ -361,13 +367,9 @@ def main(argv=None):
             cell = None
             torch.cuda.empty_cache()
 
-    out = args.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        f"kda_decode_{datetime.date.today().isoformat()}.json")
     res["eager_fallbacks"] = EAGER_FALLBACKS
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(res, fh, indent=1)
+    from mla_decode import device_tag
+    out = write_result(args.name or f"kda_decode_{device_tag()}", res, args.out)
 
     f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"
     print(f"\nKDA decode step, {dev.name}, copy {bw:.0f} GB/s; us per call (CUDA graph), bounded gate, SD conv; "

@@ -8,9 +8,7 @@
 # 2. Timing (benchmarks/kda_decode.py: CUDA-graph replay, median) for H in {12, 96} x B in {1, 64},
 #    plain and PDL, the launcher's default (`choose_cluster`) beside each fixed cluster size
 #    C = 1, 2, 4, 8 (--variants); fla/stock and the per-cluster JSON sweep are left out. A short
-#    table is printed last; the JSON goes to $OUT (or /tmp). The 2026-11-29 run of this script
-#    (with the since-removed shared-memory state and register-cap variants) is
-#    benchmarks/results/kda_sweep_h200.json.
+#    table is printed last; the JSON (kda_sweep.json) goes to $OUT (or /tmp).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -26,7 +24,7 @@ tests_rc=${PIPESTATUS[0]}
 
 echo "== timing"
 timeout 100 python3 benchmarks/kda_decode.py --heads 12 96 --batches 1 64 --no-cluster-sweep \
-  --no-stock --variants c1 c2 c4 c8 --out "$out/kda_sweep.json" 2>&1 \
+  --no-stock --variants c1 c2 c4 c8 --out "$out" --name kda_sweep 2>&1 \
   | grep -v "^H[0-9]*_B[0-9]* {" | tail -30
 bench_rc=${PIPESTATUS[0]}
 echo "tests rc=$tests_rc bench rc=$bench_rc"

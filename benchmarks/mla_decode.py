@@ -3,42 +3,34 @@
 For B in {1, 8, 64} x L in {1K, 8K, 32K, 128K} x H in {12, 32}, bf16 and fp8 e4m3 caches:
 microseconds per call (median of CUDA-graph replays; a graph holds K calls over disjoint page
 sets of one pool so that small problems do not sit in the 60 MB L2, and at least MIN_CALLS calls,
-so that the graph launch is not charged to one call) and achieved GB/s of latent
-bytes read (B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy bandwidth.
-The core, split count and head groups are fixed before capture (cutedsl.plan_call from B, L, H
-and the cache dtype) and recorded in each row.
+so that the graph launch is not charged to one call) and achieved GB/s of latent bytes read
+(B x L x 576 x bytes/elem / time) against the floor at 4245 GB/s copy bandwidth.
 
-    python benchmarks/mla_decode.py [--json PATH] [--quick] [--no-sweep | --sweep-only]
-                                    [--early-kv]
-                                    [--core auto|mma|wgmma|swapab] [--kv both|bf16|fp8]
-                                    [--heads 12,32] [--batch 1,8,64]
-                                    [--ctx 1024,8192,32768,131072]
+Each cell runs the launch plan for its shape (kernels/mla_decode/plan.py: the plan the decode
+runtime runs), made for this device's properties, with every choice of that plan passed to the
+kernel explicitly and recorded in the cell's row. --choice KEY=VALUE (repeatable; plan_call's
+keywords, e.g. consumers=1, pool_div=0, fp8_query=split, early_kv=0, combine=4,8) changes a
+choice for every cell, for A/B runs.
 
-PDSERVE_MLA_* environment switches (e.g. PDSERVE_MLA_SWAPAB_PV) go in front of the
-command and are recorded in the JSON ("env"); PDSERVE_MLA_FP8_QUERY=split runs the fp8 cells
-with the two-term query instead of the default single one (each fp8 row records fp8_query).
+    python benchmarks/mla_decode.py                     # the grid of record + split sweep
+    python benchmarks/mla_decode.py --no-sweep [--kv both|bf16|fp8] [--heads 12,32]
+        [--batch 1,8,64] [--ctx 1024,8192,32768,131072] [--choice KEY=VALUE ...] [--out DIR]
 
---core picks the attention core (default: cutedsl.CORE, "auto" = cutedsl.choose_core per cell);
-the JSON defaults to benchmarks/results/mla_decode_h200.json for "mma", and
-mla_decode_h200_<core>.json otherwise, with "_early_kv" appended under --early-kv. --early-kv
-lets the kernel read the cache before the PDL wait (the benchmark's previous kernel writes none
-of it). The swapab core's consumer warpgroups and tile-pool share are the launcher's for each
-cell (cutedsl.call_variant; recorded in each row as consumers and pool_div), as is its
-latent split (d_split); PDSERVE_MLA_SWAPAB_CONSUMERS=1|2, PDSERVE_MLA_SWAPAB_POOL=0|2|4|8 and
-PDSERVE_MLA_SWAPAB_DSPLIT=1|2 override.
+Writes `mla_decode_<device>.json` (e.g. mla_decode_h200.json) to benchmarks/results/ (or --out;
+--name overrides the file name) through common.write_result.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import capture_graph, environment, event_times_ms  # noqa: E402
+from common import capture_graph, event_times_ms, write_result  # noqa: E402
 
 COPY_BW = 4245e9          # measured device-to-device copy bandwidth on the H200 (bytes/s)
 SCALE = 192 ** -0.5
@@ -48,19 +40,47 @@ ROTATE_BYTES = 256 << 20  # graph working set at least this large (L2 is 60 MB)
 # the first kernel) is not charged to one call; calls past the disjoint sets reuse them, each
 # call's pages being larger than L2 then
 MIN_CALLS = 16
+BOOL_CHOICES = ("early_kv", "deterministic", "lazy_max", "q_half", "xmerge", "qk_joint",
+                "pv_prefetch", "bf16_partials")
 
 
-def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, head_groups=None):
-    from pdserve.kernels.mla_decode.cutedsl import (call_variant, mla_decode_cutedsl, plan_call,
-                                                    resolve_fp8_query)
-    core, splits, head_groups = plan_call(B, H, L, fp8, core, early_kv, splits, head_groups)
-    fp8_query = resolve_fp8_query(None, core, fp8)     # the launcher's (PDSERVE_MLA_FP8_QUERY)
-    # the kernel these calls run: the swapab core's consumer warpgroups, tile pool share
-    # (1 / pool_div of each split's tiles; 0: none) and latent split
-    k, _ = call_variant(fp8, H // head_groups, PAGE, core, early_kv, head_groups, L, splits,
-                        batch=B * head_groups)
-    consumers, pool_div, d_split = ((k.consumers, k.pool_div, k.d_split) if core == "swapab"
-                                    else (None, 0, 1))
+def device_tag() -> str:
+    """'h200' for an NVIDIA H200: the result file's device part."""
+    m = re.search(r"\b([A-Z]+\d+[A-Z]?)\b", torch.cuda.get_device_name(0))
+    return m.group(1).lower() if m else "gpu"
+
+
+def parse_choice(text: str) -> tuple[str, object]:
+    """'KEY=VALUE' -> (key, value) typed as plan_call takes it; an unknown key or a malformed
+    value is refused (SystemExit naming it) before any GPU work."""
+    from pdserve.kernels.mla_decode.plan import CHOICES
+    key, sep, value = text.partition("=")
+    if not sep or key not in CHOICES:
+        raise SystemExit(f"choice {text!r}: expected KEY=VALUE with KEY one of {', '.join(CHOICES)}")
+    try:
+        if key in BOOL_CHOICES:
+            if value not in ("0", "1", "true", "false"):
+                raise ValueError(value)
+            return key, value in ("1", "true")
+        if key == "fp8_query":
+            if value not in ("single", "split"):
+                raise ValueError(value)
+            return key, value
+        if key == "combine":
+            chunks, groups = (int(x) for x in value.split(","))
+            return key, (chunks, groups)
+        return key, int(value)
+    except ValueError:
+        raise SystemExit(f"choice {text!r}: bad value for {key}") from None
+
+
+def bench_one(B, L, H, fp8, reps=15, **choices):
+    """One cell: the plan for (B, L, H, cache) with `choices` on top, every resulting choice
+    passed to the kernel; a row with the timing and the whole plan."""
+    from pdserve.kernels.mla_decode.launch import mla_decode_cutedsl
+    from pdserve.kernels.mla_decode.plan import Device, plan_call
+    plan = plan_call(B, H, L, fp8, PAGE, Device.of("cuda"), **choices)
+    explicit = plan.choices()                 # what the kernel is asked for, in full
     esize = 1 if fp8 else 2
     per_call = B * L * 576 * esize
     n_sets = max(1, min(64, -(-ROTATE_BYTES // per_call)))     # disjoint page sets
@@ -82,9 +102,8 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
 
     def run_all():
         for k in range(K):
-            mla_decode_cutedsl(qs[k], cache, bts[k % n_sets], seq, SCALE, kv_scale, num_splits=splits,
-                               max_seq_len=L, out=outs[k], lse=lses[k], core=core,
-                               head_groups=head_groups, early_kv=early_kv)
+            mla_decode_cutedsl(qs[k], cache, bts[k % n_sets], seq, SCALE, kv_scale,
+                               max_seq_len=L, out=outs[k], lse=lses[k], **explicit)
 
     g = capture_graph(run_all)
     g.replay()
@@ -95,44 +114,38 @@ def bench_one(B, L, H, fp8, reps=15, splits=None, core=None, early_kv=False, hea
     floor_us = per_call / COPY_BW * 1e6
     del g, cache
     torch.cuda.empty_cache()
-    return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", core=core, early_kv=early_kv,
-                num_splits=splits, head_groups=head_groups, consumers=consumers, pool_div=pool_div,
-                d_split=d_split,
-                fp8_query=fp8_query if fp8 else None,
+    return dict(B=B, L=L, H=H, kv_dtype="fp8_e4m3" if fp8 else "bf16", plan=plan.record(),
                 calls_per_graph=K, us=us, us_min=min(times), us_spread=max(times) - min(times),
                 latent_bytes=per_call, gbps=per_call / us / 1e3, floor_us=floor_us,
-                frac_of_copy_bw=floor_us / us, launches=1 if splits == 1 else 2, finite=ok,
-                # MMA operand type of the fp8 cache: wgmma widens tiles to bf16, the others fp16
-                fp8_mma=None if not fp8 else ("bf16" if core == "wgmma" else "f16"))
+                frac_of_copy_bw=floor_us / us, launches=1 if plan.num_splits == 1 else 2,
+                finite=ok)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--core", default=None, choices=("auto", "mma", "wgmma", "swapab"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    ap.add_argument("--name", default=None, help="result file name (default mla_decode_<device>)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sweep", action="store_true",
                     help="skip the split-count x head-group sweep")
     ap.add_argument("--sweep-only", action="store_true", help="run only that sweep, no grid")
-    ap.add_argument("--early-kv", action="store_true",
-                    help="read the cache before the PDL wait (the previous kernel writes none of it)")
+    ap.add_argument("--choice", action="append", default=[],
+                    help="KEY=VALUE: a plan choice for every cell (plan_call's keywords)")
     ap.add_argument("--kv", default="both", choices=("both", "bf16", "fp8"),
-                    help="cache dtypes to run (A/B runs of an fp8-only switch: fp8)")
+                    help="cache dtypes to run (A/B runs of an fp8-only choice: fp8)")
     ap.add_argument("--heads", default="12,32", help="comma-separated head counts (default 12,32)")
     ap.add_argument("--batch", default="1,8,64", help="comma-separated batch sizes (default 1,8,64)")
     ap.add_argument("--ctx", default="1024,8192,32768,131072",
                     help="comma-separated context lengths (default 1024,8192,32768,131072)")
     args = ap.parse_args(argv)
-    from pdserve.kernels.mla_decode.cutedsl import CORE
-    core = args.core or CORE
-    if args.json is None:
-        args.json = ("benchmarks/results/mla_decode_h200" + ("" if core == "mma" else f"_{core}")
-                     + ("_early_kv" if args.early_kv else "") + ".json")
+    choices = dict(parse_choice(c) for c in args.choice)        # refused before GPU work
     Bs = tuple(int(b) for b in args.batch.split(","))
     Ls = tuple(int(n) for n in args.ctx.split(","))
     Hs = tuple(int(h) for h in args.heads.split(","))
     if args.quick:
         Bs, Ls = (1, 64), (8192, 131072)
+    from pdserve.kernels.mla_decode.plan import Device
+    dev = Device.of("cuda")
     rows = []
     dtypes = () if args.sweep_only else {"both": (False, True), "bf16": (False,),
                                          "fp8": (True,)}[args.kv]
@@ -140,44 +153,43 @@ def main(argv=None):
         for H in Hs:
             for B in Bs:
                 for L in Ls:
-                    r = bench_one(B, L, H, fp8, core=core, early_kv=args.early_kv)
+                    r = bench_one(B, L, H, fp8, **choices)
                     rows.append(r)
-                    print(f"{r['kv_dtype']:9s} H={H:2d} B={B:2d} L={L:6d} splits={r['num_splits']:3d} "
-                          f"{r['us']:9.1f} us  {r['gbps']:7.0f} GB/s  floor {r['floor_us']:8.1f} us "
+                    print(f"{r['kv_dtype']:9s} H={H:2d} B={B:2d} L={L:6d} "
+                          f"splits={r['plan']['num_splits']:3d} {r['us']:9.1f} us  "
+                          f"{r['gbps']:7.0f} GB/s  floor {r['floor_us']:8.1f} us "
                           f"({100 * r['frac_of_copy_bw']:5.1f}%)", flush=True)
     # split-count x head-group sweep at small batch, H=32 (to tune choose_num_splits and
-    # choose_head_groups; the swapab core, the only one with head groups)
+    # choose_head_groups)
     sweep = []
     if args.sweep_only or not (args.quick or args.no_sweep):
         for B, L, fp8 in ((1, 8192, False), (1, 8192, True), (1, 32768, False), (8, 32768, False)):
             for sp in (16, 32, 64, 128):
                 for hg in (1, 2):
-                    if sp * 64 > L or B * sp * hg > 2 * 132 or (hg > 1 and core not in ("auto", "swapab")):
+                    if sp * 64 > L or B * sp * hg > 2 * dev.sm_count:
                         continue
-                    r = bench_one(B, L, 32, fp8, reps=9, splits=sp, core=core,
-                                  early_kv=args.early_kv, head_groups=hg)
+                    r = bench_one(B, L, 32, fp8, reps=9, **{**choices, "num_splits": sp,
+                                                            "head_groups": hg})
                     sweep.append(r)
                     print(f"sweep {r['kv_dtype']:9s} H=32 B={B} L={L} splits={sp:3d} groups={hg} "
                           f"{r['us']:8.1f} us", flush=True)
-    res = dict(
-        op="mla_decode", backend="cutedsl", core=core, early_kv=args.early_kv,
-        environment=environment(), copy_bw_gbps=COPY_BW / 1e9, page_tokens=PAGE, softmax_scale=SCALE,
-        timing="median of CUDA-graph replays; K >= MIN_CALLS calls per graph rotating over up to 64 disjoint page sets (>= 256 MB working set)", min_calls=MIN_CALLS,
+    path = write_result(args.name or f"mla_decode_{device_tag()}", dict(
+        op="mla_decode", backend="cutedsl", choices=choices,
+        device_properties=dict(sm_count=dev.sm_count, smem_per_block=dev.smem_per_block),
+        copy_bw_gbps=COPY_BW / 1e9, page_tokens=PAGE, softmax_scale=SCALE,
+        timing="median of CUDA-graph replays; K >= MIN_CALLS calls per graph rotating over up "
+               "to 64 disjoint page sets (>= 256 MB working set)", min_calls=MIN_CALLS,
         targets=dict(frac_of_copy_bw_where_BxL_ge_256K=0.75, us_at_B1_L8K=10.0),
-        env={k: v for k, v in sorted(os.environ.items()) if k.startswith("PDSERVE_MLA")},
-        results=rows,
-        sweep=sweep,
-    )
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
+        results=rows, sweep=sweep), args.out)
     # short table last
-    print(f"\nMLA decode (CuTe DSL, {core} core, H200): us per call / % of copy-bandwidth floor")
+    print("\nMLA decode (CuTe DSL, the launch plan's defaults"
+          + (f" with {choices}" if choices else "") + "): us per call / % of copy-bandwidth floor")
     for kd in ("bf16", "fp8_e4m3"):
         for H in Hs:
             print(f"{kd} H={H}: " + "  ".join(
                 f"B{r['B']}L{r['L'] // 1024}K {r['us']:.1f}/{100 * r['frac_of_copy_bw']:.0f}%"
                 for r in rows if r["kv_dtype"] == kd and r["H"] == H))
-    print("json:", args.json)
+    print("json:", path)
     return 0
 
 

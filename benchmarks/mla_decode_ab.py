@@ -1,14 +1,16 @@
-"""Interleaved A/B of MLA decode kernel variants selected by environment switches (H200).
+"""Interleaved A/B of MLA decode kernel variants, each a set of launch-plan choices (H200).
 
 Each round runs every variant in a fresh process (its own compile and cache allocation, so
 page placement varies as between real runs), over the same cells, with mla_decode.bench_one
-(early_kv). Prints the fraction of the copy floor per cell and variant, and writes every row
-plus the environment to JSON.
+(the plan's defaults with the variant's choices on top, every choice passed explicitly). Prints
+the fraction of the copy floor per cell and variant, and writes every row plus the environment
+to `mla_decode_ab_<device>.json` (or --out / --name).
 
-    python benchmarks/mla_decode_ab.py --variants 'exact:PDSERVE_MLA_SWAPAB_LAZY=0;lazy:' \\
-        --cells 8:32768:32:fp8,64:8192:32:fp8 [--rounds 2] [--json PATH]
+    python benchmarks/mla_decode_ab.py --variants 'exact:lazy_max=0;lazy:' \\
+        --cells 8:32768:32:fp8,64:8192:32:fp8 [--rounds 2] [--out DIR] [--name NAME]
 
-A variant is NAME:KEY=VALUE+KEY=VALUE (empty: the defaults); a cell is B:L:H:fp8|bf16.
+A variant is NAME:KEY=VALUE+KEY=VALUE (empty: the plan's defaults) with plan_call's keywords
+(mla_decode.parse_choice); a cell is B:L:H:fp8|bf16.
 """
 from __future__ import annotations
 
@@ -20,28 +22,36 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment
+from common import write_result  # noqa: E402
+from mla_decode import parse_choice  # noqa: E402
 
-# the child gets the cells parse_cells made, as JSON [[B, L, H, dtype], ...]
+# the child gets the cells parse_cells made, as JSON [[B, L, H, dtype], ...], and the variant's
+# settings as JSON {KEY: VALUE text}
 CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
 import mla_decode
+choices = dict(mla_decode.parse_choice(f"{k}={v}") for k, v in json.loads(sys.argv[3]).items())
 for b, l, h, dt in json.loads(sys.argv[1]):
-    row = mla_decode.bench_one(b, l, h, dt == "fp8", early_kv=True)
+    row = mla_decode.bench_one(b, l, h, dt == "fp8", **choices)
     print("ROW " + json.dumps(row), flush=True)
+print("DEVICE " + mla_decode.device_tag(), flush=True)
 """
 
 
 def parse_variants(text):
+    """'NAME:KEY=VALUE+...;...' -> [(name, {key: value text})]; each setting is checked with
+    mla_decode.parse_choice (an unknown choice or a bad value is refused by name)."""
     out = []
     for item in text.split(";"):
-        name, sep, env = item.partition(":")
+        name, sep, settings = item.partition(":")
         if not name or not sep:
             raise SystemExit(f"variant {item!r}: expected NAME:KEY=VALUE+...")
-        pairs = [kv.split("=", 1) for kv in env.split("+") if kv]
+        pairs = [kv.split("=", 1) for kv in settings.split("+") if kv]
         if any(len(p) != 2 or not p[0] for p in pairs):
             raise SystemExit(f"variant {item!r}: each setting must be KEY=VALUE")
+        for key, value in pairs:
+            parse_choice(f"{key}={value}")
         out.append((name, dict(pairs)))
     return out
 
@@ -65,18 +75,19 @@ def main(argv=None):
     ap.add_argument("--cells", required=True, help="B:L:H:fp8|bf16,...")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per child process")
-    ap.add_argument("--json", default="benchmarks/results/mla_decode_h200_ab.json")
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    ap.add_argument("--name", default=None, help="result file name (default mla_decode_ab_<device>)")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants)
     cells = json.dumps(parse_cells(args.cells))
     here = os.path.dirname(os.path.abspath(__file__))
-    rows = []
+    rows, device = [], "gpu"
     for r in range(args.rounds):
-        for name, env in variants:
-            print(f"round {r} variant {name} {env}", flush=True)
+        for name, settings in variants:
+            print(f"round {r} variant {name} {settings}", flush=True)
             try:
-                p = subprocess.run([sys.executable, "-c", CHILD, cells, here],
-                                   env=dict(os.environ, **env), capture_output=True, text=True,
+                p = subprocess.run([sys.executable, "-c", CHILD, cells, here,
+                                    json.dumps(settings)], capture_output=True, text=True,
                                    timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
                 print(f"  {name}: timed out after {args.timeout} s", flush=True)
@@ -87,8 +98,10 @@ def main(argv=None):
             for line in p.stdout.splitlines():
                 if line.startswith("ROW "):
                     row = json.loads(line[4:])
-                    row.update(variant=name, round=r, env=env)
+                    row.update(variant=name, round=r, settings=settings)
                     rows.append(row)
+                elif line.startswith("DEVICE "):
+                    device = line[7:].strip()
     frac = collections.defaultdict(list)
     for row in rows:
         frac[(row["kv_dtype"], row["H"], row["B"], row["L"], row["variant"])].append(
@@ -97,11 +110,10 @@ def main(argv=None):
     for key in sorted(frac):
         dt, h, b, l, name = key
         print(f"{dt:8s} H={h:2d} B={b:3d} L={l:6d}  {name:10s} {frac[key]}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"environment": environment(), "variants": dict(variants), "cells": args.cells,
-                   "rounds": args.rounds, "rows": rows}, f, indent=1)
-    print(f"json: {args.json}")
+    path = write_result(args.name or f"mla_decode_ab_{device}",
+                        {"variants": dict(variants), "cells": args.cells, "rounds": args.rounds,
+                         "rows": rows}, args.out)
+    print(f"json: {path}")
 
 
 if __name__ == "__main__":

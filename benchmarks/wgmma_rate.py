@@ -1,26 +1,26 @@
-"""Benchmark: warpgroup-MMA throughput per SM for the shapes the swapab MLA core issues (H200).
+"""Benchmark: warpgroup-MMA throughput per SM for the shapes the MLA decode kernel issues (H200).
 
-The fp8 MLA core at H = 32 issues e4m3 wgmma m64n32k32 for S^T (both operands in shared memory)
-and fp16 wgmma m64n32k16 with A from registers for PV. This measures how many FMAs per SM and
-clock such shapes sustain, for N = 16 / 32 / 64 / 128 and 1-3 warpgroups per SM issuing at once:
-one CTA per SM (132), each warpgroup running `iters` x (576 / k) back-to-back MMAs into one fp32
-accumulator (one commit and wait per 576-deep pass). Operand values are whatever shared memory
+The fp8 MLA kernel at H = 32 issues e4m3 wgmma m64n32k32 for S^T (both operands in shared
+memory) and fp16 wgmma m64n32k16 with A from registers for PV. This measures how many FMAs per
+SM and clock such shapes sustain, for N = 16 / 32 / 64 / 128 and 1-3 warpgroups per SM issuing
+at once: one CTA per SM (the device's SM count), each warpgroup running `iters` x (576 / k)
+back-to-back MMAs into one fp32 accumulator (one commit and wait per 576-deep pass). Operand values are whatever shared memory
 and the filled registers hold: the rate does not depend on them. FMA per clock assumes the
 1,980 MHz boost clock the H200 holds under load.
 
-    python benchmarks/wgmma_rate.py [--json PATH] [--iters 2000]
+    python benchmarks/wgmma_rate.py [--out DIR] [--iters 2000]
+
+Writes `wgmma_rate_<device>.json` (e.g. wgmma_rate_h200.json) to benchmarks/results/ (or --out).
 """
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, event_times_ms  # noqa: E402
+from common import event_times_ms, write_result  # noqa: E402
 
 K = 576                  # the MLA latent + rope width: the K of one S^T pass
-SMS = 132
 CLOCK_HZ = 1.98e9
 
 
@@ -37,8 +37,8 @@ def _kernel_class():
         """`wgs` warpgroups per CTA, each `iters` passes of K / k MMAs of 64 x n (fp8: e4m3
         m64nNk32, A and B in smem; else fp16 m64nNk16, A in registers, B in smem)."""
 
-        def __init__(self, n: int, fp8: bool, wgs: int, iters: int):
-            self.n, self.fp8, self.wgs, self.iters = n, fp8, wgs, iters
+        def __init__(self, n: int, fp8: bool, wgs: int, iters: int, sms: int):
+            self.n, self.fp8, self.wgs, self.iters, self.sms = n, fp8, wgs, iters, sms
 
         @cute.jit
         def __call__(self, out: cute.Tensor, stream):
@@ -63,7 +63,7 @@ def _kernel_class():
                 b: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sB_layout)], 1024]
 
             self.kernel(mma, out, sA_layout, sB_layout, Storage).launch(
-                grid=(SMS, 1, 1), block=(128 * self.wgs, 1, 1), stream=stream)
+                grid=(self.sms, 1, 1), block=(128 * self.wgs, 1, 1), stream=stream)
 
         @cute.kernel
         def kernel(self, mma: cute.TiledMma, out: cute.Tensor, sA_layout: cute.ComposedLayout,
@@ -105,24 +105,25 @@ def rate(n: int, fp8: bool, wgs: int, iters: int) -> dict:
     import torch
     from cutlass.cute.runtime import from_dlpack
 
-    out = torch.zeros(SMS * 128 * wgs, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(sms * 128 * wgs, device="cuda")
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     mo = from_dlpack(out, assumed_align=16)
-    fn = cute.compile(_kernel_class()(n, fp8, wgs, iters), mo, stream)
+    fn = cute.compile(_kernel_class()(n, fp8, wgs, iters, sms), mo, stream)
     fn(mo, stream)
     torch.cuda.synchronize()
     times = [ms * 1e-3 for ms in event_times_ms(lambda: fn(mo, stream), 5)]
     k = 32 if fp8 else 16
-    fmas = SMS * wgs * iters * (K // k) * 64 * n * k
+    fmas = sms * wgs * iters * (K // k) * 64 * n * k
     t = min(times)
     return {"mma": f"e4m3 m64n{n}k32 (A, B smem)" if fp8 else f"f16 m64n{n}k16 (A regs)",
             "n": n, "fp8": fp8, "warpgroups": wgs, "seconds": t,
-            "fma_per_sm_s": fmas / t / SMS, "fma_per_clk_at_1980mhz": fmas / t / SMS / CLOCK_HZ}
+            "fma_per_sm_s": fmas / t / sms, "fma_per_clk_at_1980mhz": fmas / t / sms / CLOCK_HZ}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="benchmarks/results/wgmma_rate_h200.json")
+    ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ap.add_argument("--iters", type=int, default=2000)
     args = ap.parse_args(argv)
     import torch
@@ -136,11 +137,10 @@ def main(argv=None):
                 r = rate(n, fp8, wgs, args.iters)
                 rows.append(r)
                 print(f"{r['mma']:<28} {wgs:>3} {r['fma_per_clk_at_1980mhz']:>11.0f}", flush=True)
-    res = dict(op="wgmma_rate", environment=environment(), k=K, iters=args.iters,
-               clock_assumed_hz=CLOCK_HZ, rows=rows)
-    with open(args.json, "w") as f:
-        json.dump(res, f, indent=1)
-    print("wrote", args.json)
+    from mla_decode import device_tag
+    path = write_result(f"wgmma_rate_{device_tag()}", dict(
+        op="wgmma_rate", k=K, iters=args.iters, clock_assumed_hz=CLOCK_HZ, rows=rows), args.out)
+    print("wrote", path)
 
 
 if __name__ == "__main__":
