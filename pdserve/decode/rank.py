@@ -14,10 +14,10 @@ import torch
 
 from pdserve.decode.graphs import DecodeGraphs
 from pdserve.kernels import registry
-from pdserve.model.batch import ForwardBatch
+from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.generate import ReferenceEngine, Sequence, build_model
 from pdserve.model.parallel import TPGroup
-from pdserve.model.sampling import Request, SamplingParams, sample
+from pdserve.model.sampling import Request, SamplingParams, sample_batch
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 from pdserve.state.manifest import StateManifest
@@ -33,8 +33,9 @@ log = logging.getLogger("pdserve.decode")
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
                 ) -> list[int]:
     """Row i's token for output position `positions[i]`: exactly what the reference loop's
-    `sample_next` draws for the same logits (seeded by position, DESIGN.md §2)."""
-    return [sample(row, p, pos) for row, p, pos in zip(logits, params, positions, strict=True)]
+    `sample_next` draws for the same logits (seeded by position, DESIGN.md §2), on the logits'
+    device."""
+    return sample_batch(logits, params, positions)
 
 
 def fused_step_for(op: str, problem, backend: str):
@@ -97,8 +98,10 @@ class DecodeRank:
                                 device=device, conv_staging=True)
         self.kda_step = kda_step_for(backend)
         self.mla_step = mla_step_for(backend, mla_fp8_query, mla_deterministic)
+        self.fused = None   # the whole-layer fused step (branch decode-fused-step) is not in yet
         self.graphs = (DecodeGraphs(self.model, self.pools, graph_max_tokens,
-                                    kda_step=self.kda_step, mla_step=self.mla_step)
+                                    kda_step=self.kda_step, mla_step=self.mla_step,
+                                    forward=self._fused_forward if self.fused else None)
                        if cuda_graphs else None)
         self._eager_reasons: set[str] = set()
         self.dest = DestRank(RankAgent(instance, rank, generation,
@@ -149,36 +152,54 @@ class DecodeRank:
             self.pools.slots.free([s])
         return stats
 
-    def step(self, request_ids: list[str], tokens: list[int]) -> torch.Tensor | None:
-        """One decode step; returns the logits on rank 0 (every rank computes them)."""
+    def _fused_forward(self, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        return self.fused(ids, batch)
+
+    def _forward(self, request_ids: list[str], tokens: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step: (fp32 logits [n, vocab] on the device, greedy ids or None)."""
         tables = [self.tables[r] for r in request_ids]
         why = None if self.graphs is None else self.graphs.refuse(tables)
         if self.graphs is not None and why is None:
-            logits = self.graphs.run(tables, tokens)
+            logits, greedy = self.graphs.run(tables, tokens)
         else:
             if why is not None and why not in self._eager_reasons:
                 self._eager_reasons.add(why)
                 log.warning("decode step runs without CUDA graphs: %s", why)
-            batch = ForwardBatch.of(tables, [1] * len(tables))
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows(),
-                                kda_step=self.kda_step, mla_step=self.mla_step)
+            if self.fused is not None:
+                batch = DecodeBatch.of(tables, self.pools.latent.page_tokens, self.device)
+                logits = self.fused(ids, batch)
+            else:
+                batch = ForwardBatch.of(tables, [1] * len(tables))
+                logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows(),
+                                    kda_step=self.kda_step, mla_step=self.mla_step)
+            greedy = None
         for t in tables:
             t.num_tokens += 1
+        return logits, greedy
+
+    def step(self, request_ids: list[str], tokens: list[int]) -> torch.Tensor | None:
+        """One decode step; returns the logits on rank 0 (every rank computes them)."""
+        logits, _ = self._forward(request_ids, tokens)
         return logits.cpu() if self.rank == 0 else None
 
     def decode(self, request_ids: list[str], tokens: list[int], positions: list[int]
                ) -> list[int] | None:
-        """One decode step, sampled here: the token at output position `positions[i]` for each
-        request (rank 0; the others return None)."""
+        """One decode step, sampled here on the logits' device: the token at output position
+        `positions[i]` for each request (rank 0; the others return None). Only token ids leave
+        the device."""
         missing = [r for r in request_ids if r not in self.params]
         if missing:
             raise ValueError(f"requests {missing[:3]} were received without sampling params; "
                              "`decode` samples with them (pass params to `receive`)")
-        logits = self.step(request_ids, tokens)
-        if logits is None:
+        logits, greedy = self._forward(request_ids, tokens)
+        if self.rank != 0:
             return None
-        return sample_rows(logits, [self.params[r] for r in request_ids], positions)
+        params = [self.params[r] for r in request_ids]
+        if greedy is not None and all(p.temperature == 0.0 for p in params):
+            return greedy.tolist()
+        return sample_rows(logits, params, positions)
 
     def free(self, request_id: str) -> None:
         self.params.pop(request_id, None)

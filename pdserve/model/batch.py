@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.state.block_table import BlockTable
@@ -114,8 +115,34 @@ class DecodeBatch:
                            pages.to(torch.int32).to(device),
                            (context + 1).to(torch.int32).to(device))
 
-    def copy_(self, other: DecodeBatch) -> None:
-        """Overwrite these tensors in place (a captured graph's static inputs)."""
-        for name in ("slots", "pages", "context", "live", "kda_slots", "mla_pages",
-                     "mla_seq_lens"):
-            getattr(self, name).copy_(getattr(other, name))
+    @staticmethod
+    def pack(tables: list[BlockTable], tokens: list[int], page_tokens: int, rows: int,
+             max_pages: int) -> torch.Tensor:
+        """A step's inputs as one int64 CPU tensor [rows, 4 + max_pages] (token, slot, context,
+        live, pages...), so they reach the device in one copy; `from_packed` unpacks it there.
+        Rows past len(tables) are padding (token 0, slot 0, page 0, not live)."""
+        if len(tables) > rows:
+            raise ValueError(f"{len(tables)} sequences do not fit a batch of {rows} rows")
+        if len(tokens) != len(tables):
+            raise ValueError(f"{len(tokens)} tokens for {len(tables)} sequences")
+        packed = np.zeros((rows, 4 + max_pages), dtype=np.int64)
+        for i, (t, tok) in enumerate(zip(tables, tokens)):
+            n = t.num_tokens // page_tokens + 1            # pages up to the new token
+            pages = _pages(t)
+            if n > len(pages):
+                raise IndexError(f"token {t.num_tokens} is beyond the {len(pages)} pages owned")
+            if n > max_pages:
+                raise ValueError(f"a sequence with {n} pages does not fit max_pages={max_pages}")
+            packed[i, :4] = (tok, t.kda_slot, t.num_tokens, 1)
+            packed[i, 4:4 + n] = pages[:n]
+        return torch.from_numpy(packed)
+
+    @staticmethod
+    def from_packed(packed: torch.Tensor) -> tuple[torch.Tensor, DecodeBatch]:
+        """(token ids, batch) from `pack`'s tensor, by device ops only (a captured graph's
+        first kernels: the int32 views are built here, well before the ops that read them)."""
+        slots, context = packed[:, 1], packed[:, 2]
+        pages = packed[:, 4:]
+        return packed[:, 0], DecodeBatch(
+            slots, pages, context, packed[:, 3] != 0, slots.to(torch.int32),
+            pages.to(torch.int32), (context + 1).to(torch.int32))

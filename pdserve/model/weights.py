@@ -25,24 +25,45 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+def _draw(shape: tuple[int, ...], kind: str, g: torch.Generator, device="cpu") -> torch.Tensor:
+    """A fp32 tensor of init kind `kind` from generator `g` (on `device`)."""
+    randn = lambda: torch.randn(shape, generator=g, device=device)  # noqa: E731
+    if kind == "linear":  # variance-preserving, so deep random stacks keep sane activations
+        return randn() / math.sqrt(shape[-1])
+    if kind == "embedding":
+        return randn()
+    if kind == "norm":  # near 1 but not exactly, so a wrongly sliced norm weight shows
+        return 1.0 + 0.1 * randn()
+    if kind == "conv":
+        return randn() / math.sqrt(shape[-1])
+    if kind == "a_log":  # A in [1, 16] as in the reference init
+        return torch.log(torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=g))
+    if kind == "dt_bias":
+        return 0.5 * randn()
+    if kind == "bias":
+        return 0.1 * randn()
+    raise ValueError(f"unknown init kind {kind!r}")
+
+
 def init_full(name: str, shape: tuple[int, ...], kind: str, seed: int) -> torch.Tensor:
     """The full fp32 tensor of parameter `name`, drawn from its own generator."""
-    g = _generator(seed, name)
-    if kind == "linear":  # variance-preserving, so deep random stacks keep sane activations
-        return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-    if kind == "embedding":
-        return torch.randn(shape, generator=g)
-    if kind == "norm":  # near 1 but not exactly, so a wrongly sliced norm weight shows
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
-    if kind == "conv":
-        return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-    if kind == "a_log":  # A in [1, 16] as in the reference init
-        return torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=g))
-    if kind == "dt_bias":
-        return 0.5 * torch.randn(shape, generator=g)
-    if kind == "bias":
-        return 0.1 * torch.randn(shape, generator=g)
-    raise ValueError(f"{name}: unknown init kind {kind!r}")
+    try:
+        return _draw(shape, kind, _generator(seed, name))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def init_random(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place on its own device with values of its init kind, from one
+    device generator: random weights for benchmarks at full size (a 27-layer Kimi Linear is
+    made on the GPU in seconds), not the seeded per-name values of `init_seeded`. Each rank's
+    shard is drawn at its own shape."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for p in model.parameters():
+        g = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+        with torch.no_grad():
+            for chunk in (p.view(-1, *p.shape[-1:]).split(4096) if p.dim() > 1 else [p]):
+                chunk.copy_(_draw(tuple(chunk.shape), p.init, g, p.device))
 
 
 def init_seeded(model: torch.nn.Module, seed: int = 0) -> None:

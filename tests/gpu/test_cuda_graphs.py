@@ -65,7 +65,7 @@ def test_graph_replay_gives_the_eager_tokens(model, batch):
     padding = [pools.latent.data[:, 0].clone(), pools.slots.recurrent[:, 0].clone(),
                pools.slots.conv[:, 0].clone()]
     while running := [s for s in seqs if not s.finished]:
-        logits = graphs.run([s.table for s in running], [s.output[-1] for s in running])
+        logits, _ = graphs.run([s.table for s in running], [s.output[-1] for s in running])
         sample_next(running, logits, eng.eos)
         for s in running:
             s.table.num_tokens += 1
@@ -81,7 +81,7 @@ def test_one_replayed_step_matches_the_eager_logits(model):
     tables, tokens = [s.table for s in seqs], [s.output[-1] for s in seqs]
     start = {k: v.clone() for k, v in eng.pools.regions().items()}
     graphs = DecodeGraphs(model, eng.pools, max_tokens=64, buckets=(8,))
-    got = graphs.run(tables, tokens)
+    got, _ = graphs.run(tables, tokens)
     for k, v in eng.pools.regions().items():
         v.copy_(start[k])
     want = eng.step(seqs, [[t] for t in tokens])

@@ -46,14 +46,14 @@ def _run(model, layout, mla_step, graphs: bool):
         ids = [(31 * step_i + 7 * i) % 256 for i in range(len(seqs))]
         if dg is not None:
             assert dg.refuse(tables) is None
-            out = dg.run(tables, ids)
+            out, _ = dg.run(tables, ids)
         else:
             batch = ForwardBatch.of(tables, [1] * len(seqs))
             out = model(torch.tensor(ids, device="cuda"), batch, eng.pools,
                         logit_rows=batch.last_rows(), mla_step=mla_step)
         for t in tables:
             t.num_tokens += 1
-        logits.append(out.float())
+        logits.append(out.float().clone())  # a graph output is valid until the next run
     return torch.stack(logits)
 
 

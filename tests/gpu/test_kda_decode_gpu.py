@@ -253,7 +253,7 @@ def test_runtime_pdl_step_in_a_cuda_graph_matches_eager():
     step = kda_step_for("cutedsl")
     start = {k: v.clone() for k, v in eng.pools.regions().items()}
     graphs = DecodeGraphs(model, eng.pools, max_tokens=64, buckets=(4,), kda_step=step)
-    got = graphs.run(tables, tokens)
+    got, _ = graphs.run(tables, tokens)
     got_state = eng.pools.slots.recurrent.clone()
     for k, v in eng.pools.regions().items():
         v.copy_(start[k])
