@@ -2,7 +2,9 @@
 
 The HTTP layer knows nothing of Ray, pools or transfer: it hands a tokenized `Request` to a
 `GenerationBackend` and iterates `TokenEvent`s. Closing that iterator early (client gone, stop
-string reached, deadline) must cancel the request and free its state.
+string reached, deadline) must cancel the request and free its state. Refusals are exceptions
+whose type is the answer: `Overloaded` (429), `BackendUnavailable` (503), `BadRequest` (4xx); a
+failed request's last event carries its exception (`TokenEvent.exc`).
 """
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ import logging
 from contextlib import aclosing
 from typing import AsyncIterator, Protocol
 
-from pdserve.decode.batcher import Batcher, Overloaded, TokenEvent
+from pdserve.decode.batcher import BadRequest, Batcher, DeadlineExceeded, Overloaded, TokenEvent
 from pdserve.model.generate import ReferenceEngine
 from pdserve.model.sampling import Request
 from pdserve.state.pools import PoolExhausted
 
 log = logging.getLogger("pdserve.api")
 
-__all__ = ["BackendUnavailable", "GenerationBackend", "LocalBackend", "Overloaded", "TokenEvent"]
+__all__ = ["BackendUnavailable", "BadRequest", "DeadlineExceeded", "GenerationBackend",
+           "LocalBackend", "Overloaded", "TokenEvent"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -36,8 +39,9 @@ class GenerationBackend(Protocol):
     def generate(self, request: Request, deadline_s: float | None) -> AsyncIterator[TokenEvent]:
         """An async generator of the request's events; the last has a finish_reason.
 
-        Raises `Overloaded` (HTTP 429) or `BackendUnavailable` (HTTP 503) before yielding anything
-        when it cannot take the request. Closing it early cancels the request."""
+        Raises `Overloaded` (HTTP 429), `BackendUnavailable` (HTTP 503) or `BadRequest` (its
+        status, 4xx) before yielding anything when it cannot take the request. Closing it early
+        cancels the request."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -52,22 +56,19 @@ class GenerationBackend(Protocol):
     async def close(self) -> None: ...
 
 
-class _AdmissionLog:
-    """The step engine as the Batcher sees it, remembering which admissions failed for lack of
-    room: the Batcher turns every admit failure into an error event, but a full pool means
-    "come back later" (429), not a failed request."""
+class _Admission:
+    """The step engine as the Batcher sees it, its refusals typed: `PoolExhausted` as it is, and
+    a `ValueError` (the engine's word for a request it cannot take) as `BadRequest`."""
 
     def __init__(self, engine: ReferenceEngine):
         self.engine = engine
-        self.refused: dict[str, PoolExhausted] = {}
         self.prefill, self.decode, self.release = engine.prefill, engine.decode, engine.release
 
     def admit(self, request: Request):
         try:
             return self.engine.admit(request)
-        except PoolExhausted as exc:
-            self.refused[request.request_id] = exc
-            raise
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
 
 
 class LocalBackend:
@@ -87,25 +88,24 @@ class LocalBackend:
         slots = engine.pools.slots.capacity
         if max_batch > slots:
             log.info("max_batch %d capped to the engine's %d KDA slots", max_batch, slots)
-        self._admission = _AdmissionLog(engine)
-        self.batcher = Batcher(self._admission, min(max_batch, slots), max_queue)
+        self.batcher = Batcher(_Admission(engine), min(max_batch, slots), max_queue)
         self._closed = False
 
     async def generate(self, request: Request,
                        deadline_s: float | None) -> AsyncIterator[TokenEvent]:
         if self._closed:
             raise BackendUnavailable("the backend is shut down")
-        rid = request.request_id
-        try:
-            async with aclosing(self.batcher.stream(request, rid, deadline_s)) as events:
-                async for ev in events:
-                    if ev.token is None and ev.finish_reason == "error":
-                        refused = self._admission.refused.pop(rid, None)
-                        if refused is not None:
-                            raise Overloaded(str(refused), retry_after=1.0)
-                    yield ev
-        finally:
-            self._admission.refused.pop(rid, None)
+        started = False
+        async with aclosing(self.batcher.stream(request, request.request_id, deadline_s)) as events:
+            async for ev in events:
+                if not started and ev.finish_reason == "error":
+                    # refused at admission: a full pool is "come back later", not a failure
+                    if isinstance(ev.exc, PoolExhausted):
+                        raise Overloaded(str(ev.exc), retry_after=1.0) from ev.exc
+                    if isinstance(ev.exc, BadRequest):
+                        raise ev.exc
+                started = True
+                yield ev
 
     def stats(self) -> dict[str, float]:
         pools = self.engine.pools

@@ -3,8 +3,10 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or SSE with `stream`),
 `GET /v1/models`, `GET /health`, `GET /metrics`. Bodies are validated with msgspec Structs; every
 bad input is a 400 whose OpenAI-style error names the field. Overload is a 429 and an unavailable
-backend a 503, both with Retry-After. A request whose client disconnects is cancelled at once, and
-every request ends by its deadline (`request_timeout_s`), which the backend also receives.
+backend a 503, both with Retry-After; a request the backend refuses as bad is its `BadRequest`'s
+status (400), one past its deadline a 504: decided on the exception's type, never its text. A
+request whose client disconnects is cancelled at once, and every request ends by its deadline
+(`request_timeout_s`), which the backend also receives.
 
 Sampling follows OpenAI: `temperature` defaults to 1.0 (send 0 for greedy), `top_p` to 1.0;
 `seed` makes sampling reproducible. Extensions, spelled as in vLLM: `top_k`, `ignore_eos`, and
@@ -26,7 +28,8 @@ from fastapi import FastAPI
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
-from pdserve.api.backend import BackendUnavailable, GenerationBackend, Overloaded, TokenEvent
+from pdserve.api.backend import (BackendUnavailable, BadRequest, DeadlineExceeded,
+                                 GenerationBackend, Overloaded, TokenEvent)
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.tokenizer import TextStream, Tokenizer
 from pdserve.model.sampling import Request, SamplingParams
@@ -303,6 +306,9 @@ class _Api:
             track.done("rejected")
             status = 429 if isinstance(exc, Overloaded) else 503
             raise ApiError(status, str(exc), retry_after=exc.retry_after) from None
+        except BadRequest as exc:
+            track.done("invalid")
+            raise ApiError(exc.status, str(exc)) from None
         except _Failed as exc:
             track.done("error")
             raise ApiError(exc.status, str(exc)) from None
@@ -340,9 +346,7 @@ class _Api:
         ev = first
         while True:
             if ev.finish_reason in ("error", "cancelled"):
-                error = ev.error or "the backend cancelled the request"
-                # the backend enforces the same deadline and may notice it first
-                raise _Failed(error, 504 if "deadline" in error else 500)
+                raise _Failed(ev.error or "the backend cancelled the request", _status(ev.exc))
             ids, delta = [], ""
             if ev.token is not None:
                 track.token()
@@ -387,7 +391,7 @@ class _Api:
             outcome = "ok"
         except _Failed as exc:
             outcome = "error"
-            yield _event({"error": {"message": str(exc), "type": _ERROR_TYPES[exc.status],
+            yield _event({"error": {"message": str(exc), "type": _ERROR_TYPES.get(exc.status),
                                     "param": None, "code": exc.status}})
         except Exception:
             outcome = "error"
@@ -425,6 +429,15 @@ class _Api:
         return _json({"object": "list", "data": [{
             "id": self.backend.model_name, "object": "model", "created": 0,
             "owned_by": "pdserve", "max_model_len": self.backend.max_context}]})
+
+
+def _status(exc: BaseException | None) -> int:
+    """The HTTP status of a request that failed with `exc` after admission."""
+    if isinstance(exc, BadRequest):
+        return exc.status
+    if isinstance(exc, DeadlineExceeded):  # the backend enforces the same deadline and may
+        return 504                          # notice it first
+    return 500
 
 
 def _default(value, default):

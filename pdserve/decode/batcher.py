@@ -6,6 +6,11 @@ the first token arrived with transferred state), then one decode step for every 
 and releases finished or cancelled ones at once. Tokens reach each caller's asyncio queue through
 `call_soon_threadsafe`. A request that cannot be admitted (pools full, transfer failed, bad
 input) ends with an error event; running requests are never touched by another's failure.
+
+An error event carries the exception itself (`TokenEvent.exc`) beside its message, so whoever
+reads the stream (the router, the HTTP layer) decides on its type, never on its text. The
+exceptions here are the ones every layer above shares: `Overloaded` (HTTP 429), `BadRequest`
+(4xx: the request itself cannot be served) and `DeadlineExceeded` (the request's deadline).
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ class TokenEvent(msgspec.Struct, frozen=True):
     token: int | None = None         # None on the final event of a failed request
     index: int = 0                   # output position of `token`
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-    error: str | None = None
+    error: str | None = None         # what failed, for people
+    exc: BaseException | None = None  # the failure itself, for code (in-process, never encoded)
 
 
 class Overloaded(RuntimeError):
@@ -38,8 +44,22 @@ class Overloaded(RuntimeError):
         self.retry_after = retry_after
 
 
+class BadRequest(ValueError):
+    """The request itself cannot be served (an empty prompt, ids outside the vocabulary, ...):
+    a 4xx; another attempt elsewhere would fail the same way."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's own deadline passed (HTTP 504); there is no time left to try again."""
+
+
 class StepEngine(Protocol):
-    def admit(self, request: Any) -> Any: ...          # -> a Sequence; raises on refusal
+    # -> a Sequence; raises on refusal: PoolExhausted when full, BadRequest for a bad request
+    def admit(self, request: Any) -> Any: ...
     def prefill(self, seqs: list) -> Any: ...          # first token for each new sequence
     def decode(self, seqs: list) -> Any: ...           # one more token for each
     def release(self, seq) -> None: ...
@@ -140,7 +160,8 @@ class Batcher:
         self._thread.join(timeout)
 
     # -- step thread ------------------------------------------------------------------------
-    def _finish(self, job: _Job, reason: str, error: str | None = None) -> None:
+    def _finish(self, job: _Job, reason: str, error: str | None = None,
+                exc: BaseException | None = None) -> None:
         if job.done:
             return
         job.done = True
@@ -152,7 +173,7 @@ class Batcher:
         self._running.pop(job.request_id, None)
         with self._cv:
             self._jobs.pop(job.request_id, None)
-        job.emit(TokenEvent(job.request_id, None, job.sent, reason, error))
+        job.emit(TokenEvent(job.request_id, None, job.sent, reason, error, exc))
 
     def _flush(self, job: _Job) -> None:
         """Emit tokens produced since the last flush; the last one carries the finish reason.
@@ -185,7 +206,7 @@ class Batcher:
             try:
                 job.seq = self.engine.admit(job.request)
             except Exception as exc:
-                self._finish(job, "error", f"{type(exc).__name__}: {exc}")
+                self._finish(job, "error", f"{type(exc).__name__}: {exc}", exc)
                 continue
             new.append(job)
         return new
@@ -203,7 +224,8 @@ class Batcher:
                 if job.cancelled:
                     self._finish(job, "cancelled")
                 elif job.deadline is not None and now > job.deadline:
-                    self._finish(job, "error", "deadline exceeded")
+                    self._finish(job, "error", "deadline exceeded", DeadlineExceeded(
+                        f"request {job.request_id}: deadline exceeded"))
             new = self._admit()
             try:
                 if new:
@@ -220,6 +242,6 @@ class Batcher:
             except Exception as exc:  # a failed step fails the requests in it, not the loop
                 log.exception("step failed")
                 for j in list(self._running.values()) + new:
-                    self._finish(j, "error", f"step failed: {type(exc).__name__}: {exc}")
+                    self._finish(j, "error", f"step failed: {type(exc).__name__}: {exc}", exc)
         for job in list(self._running.values()) + list(self._queue):
             self._finish(job, "error", "server shutting down")

@@ -8,11 +8,16 @@ ranks with its own seeded generator, `release` frees the request on every rank a
 `MonolithicInstance` is the same step engine over ranks that also prefill (`MonolithicRank`):
 `admit` reserves the request's state on every rank and `prefill` computes its first token there;
 no transfer. It is the baseline that measures what disaggregation costs.
+
+`admit` refuses with a type the router decides on: `PoolExhausted` (full), a `TransferError`
+(`PeerLost`, `TransferTimeout`, `IntegrityError`, ...) when the state did not arrive, or
+`BadRequest` when a monolithic rank refuses the request itself (a `ValueError` there).
 """
 from __future__ import annotations
 
 from typing import Callable, Protocol
 
+from pdserve.decode.batcher import BadRequest
 from pdserve.model.generate import Sequence
 from pdserve.model.sampling import Request
 from pdserve.prefill.handle import StateHandle
@@ -173,12 +178,16 @@ class MonolithicInstance(RankEngine):
         request = Request(request.request_id, request.prompt, request.params.with_seed())
         try:
             slot = self.ranks.call("admit", request)[0]   # rank 0's running slot: row order
-        except Exception:
+        except Exception as exc:
             if self.ranks.size > 1:  # a rank that did admit (one died, say) gives it back
                 try:
                     self.ranks.call("free", request.request_id)
                 except Exception:
                     pass  # the admission error, re-raised, says what went wrong
+            if isinstance(exc, ValueError) and not isinstance(exc, BadRequest):
+                # the rank's contract: a ValueError is this request's fault (empty prompt, ids
+                # outside the vocabulary), not the instance's
+                raise BadRequest(f"{self.name}: {exc}") from exc
             raise
         self.held += 1
         return Sequence(request.request_id, list(request.prompt), request.params,
