@@ -21,6 +21,7 @@ import functools
 import importlib
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,7 +30,21 @@ from pdserve.transfer.errors import PeerLost
 
 
 class InstanceLost(PeerLost):
-    """A rank actor of an instance died or stopped answering."""
+    """A rank actor of instance `instance` died or stopped answering."""
+
+    def __init__(self, message: str, instance: str | None = None):
+        super().__init__(message)
+        self.instance = instance
+
+
+def remote_cause(exc: BaseException) -> BaseException:
+    """The exception an actor method raised, out of the `RayTaskError` Ray wraps it in (its
+    `.cause`: the original type with its fields); any other exception as it is."""
+    ray = sys.modules.get("ray")  # no Ray loaded: nothing can be wrapped
+    while (ray is not None and isinstance(exc, ray.exceptions.RayTaskError)
+           and isinstance(exc.cause, BaseException) and exc.cause is not exc):
+        exc = exc.cause
+    return exc
 
 
 @functools.cache
@@ -137,7 +152,7 @@ class EngineRanks:
         # the wait for a call already running is bounded like an actor call's answer
         if not self._lock.acquire(timeout=self.timeout_s):
             raise InstanceLost(f"instance {self.name}: {method} could not start within "
-                               f"{self.timeout_s} s (another call still runs)")
+                               f"{self.timeout_s} s (another call still runs)", self.name)
         try:
             return [getattr(self.engine, method)(*args)]
         finally:
@@ -149,8 +164,9 @@ class EngineRanks:
 
 
 class RayRanks:
-    """`RankGroup` over an instance's actors: every call has a deadline, and a dead or silent
-    actor surfaces as `InstanceLost` naming the instance."""
+    """`RankGroup` over an instance's actors: every call has a deadline, a dead or silent
+    actor surfaces as `InstanceLost` naming the instance, and an exception a rank raised is
+    raised here as itself (its type and fields, not Ray's wrapper)."""
 
     def __init__(self, name: str, actors: list, timeout_s: float):
         self.name, self.actors, self.timeout_s = name, actors, timeout_s
@@ -185,14 +201,17 @@ class RayRanks:
             return ray.get(refs, timeout=self.timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise InstanceLost(f"instance {self.name}: a rank died during {method}: "
-                               f"{type(exc).__name__}") from exc
+                               f"{type(exc).__name__}", self.name) from exc
         except ray.exceptions.GetTimeoutError as exc:
             for r in refs:
                 ray.cancel(r, force=False)
             raise InstanceLost(f"instance {self.name}: {method} did not answer within "
-                               f"{self.timeout_s} s") from exc
+                               f"{self.timeout_s} s", self.name) from exc
         except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
+            cause = remote_cause(exc)
+            if cause is exc:  # a cause Ray could not carry: the wrapper says what it was
+                raise
+            raise cause from exc  # the remote traceback stays in the chain for logs
 
 
 @dataclass

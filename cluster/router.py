@@ -5,14 +5,20 @@ Per request (DESIGN.md §2): pick a prefill instance (least queued prompt tokens
 (first token + state handle), pick a decode instance (most free pages, then least running), pull
 the state into it and stream its tokens. In monolithic mode (no prefill instances) the picked
 instance prefills the request itself and streams every token, the same way. Failures are handled
-here:
-- a prefill instance dies -> the request is prefilled on another one;
-- a transfer fails -> one retry (a fresh prefill of prompt + tokens streamed: the prefill's first
-  token is streamed at once, before the transfer), then an error event;
-- a decode instance dies mid-stream -> the request is re-prefilled with prompt + tokens already
-  streamed and resumes on another decode instance (same seed, shifted sampling position), so no
-  streamed token is repeated; with no instance left the client gets an error event;
-- no capacity -> Overloaded (HTTP 429) or BackendUnavailable (503).
+here, decided on the exception's type (a rank's exception reaches the router as itself, out of
+Ray's `RayTaskError`; a failed stream's last event carries it), never on its message:
+- a prefill instance dies (`InstanceLost` naming it) -> the request is prefilled on another one;
+- a transfer fails (`TransferError`: `TransferTimeout`, `PeerLost`, `IntegrityError`, ...) ->
+  one retry (a fresh prefill of prompt + tokens streamed: the prefill's first token is streamed
+  at once, before the transfer), then an error event;
+- a decode instance dies mid-stream (`InstanceLost` naming it) -> the request is re-prefilled
+  with prompt + tokens already streamed and resumes on another decode instance (same seed,
+  shifted sampling position), so no streamed token is repeated; with no instance left the
+  client gets an error event;
+- no capacity (`PoolExhausted`) -> Overloaded (HTTP 429); no live instance left ->
+  BackendUnavailable (503) while nothing has been streamed, else an error event;
+- a bad request (`BadRequest`, a prefill rank's `ValueError`) -> raised as `BadRequest` (4xx),
+  never retried; the request's own deadline (`DeadlineExceeded`) -> an error event, no retry.
 """
 from __future__ import annotations
 
@@ -28,16 +34,17 @@ from typing import AsyncIterator
 import msgspec
 
 from pdserve.api.backend import BackendUnavailable
-from pdserve.decode.batcher import Batcher, Overloaded, TokenEvent
+from pdserve.decode.batcher import BadRequest, Batcher, DeadlineExceeded, Overloaded, TokenEvent
 from pdserve.decode.instance import RankEngine
 from pdserve.model.sampling import Request
 from pdserve.prefill.engine import PrefillResult
+from pdserve.state.pools import PoolExhausted
+from pdserve.transfer.errors import TransferError
 
-from pdserve.cluster.actors import Instance, InstanceLost
+from pdserve.cluster.actors import Instance, InstanceLost, remote_cause
 
 log = logging.getLogger("pdserve.router")
 
-LOST = ("InstanceLost", "PeerLost")
 # Between polls of the ranks (prefill: free read or expired state; decode: stats for placement).
 # Each poll is a call into the rank actors that queues between their decode steps, so polling
 # every 50 ms showed up in the inter-token latency tail; 200 ms frees state soon enough.
@@ -93,6 +100,7 @@ class PrefillQueue:
                 for (_, fut), res in zip(batch, _agreed(self.inst.name, per_rank)):
                     fut.set_result(res)
             except Exception as exc:
+                exc = remote_cause(exc)
                 if isinstance(exc, InstanceLost):
                     self.inst.alive = False
                 for _, fut in batch:
@@ -202,35 +210,53 @@ class Router:
                             emitted.append(ev.token)
                             yield TokenEvent(rid, ev.token, len(emitted) - 1, ev.finish_reason)
                         elif ev.finish_reason == "error":
-                            failed = ev.error or "error"
+                            failed = ev
                         else:
                             yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
                 if failed is None:
                     return
-                # what failed, and can we go on elsewhere?
-                if any(k in failed for k in LOST):
-                    slot.inst.alive = False
-                    log.warning("%s instance %s lost: %s", self.kind, slot.inst.name, failed)
-                elif "PoolExhausted" in failed:
+                # what failed, and can we go on elsewhere? (decided on the type)
+                err, why = remote_cause(failed.exc) if failed.exc else None, failed.error or "error"
+                lost = self._mark_lost(err)
+                if lost is not None:
+                    # an instance died (the decode instance, or the prefill instance holding the
+                    # state): prefill again and resume on a live one
+                    log.warning("%s instance %s lost: %s", lost.role, lost.name, why)
+                elif isinstance(err, PoolExhausted):
                     if handle is not None:
                         self._cancel_source(handle)
                     if emitted:  # the first token is out: a 429 can no longer be sent
                         yield TokenEvent(rid, None, len(emitted), "error",
-                                         f"{self.kind} instances are full: {failed}")
+                                         f"{self.kind} instances are full: {why}", err)
                         return
-                    raise Overloaded(f"{self.kind} instances are full: {failed}", 1.0)
-                elif decoded or not transfer_retry or "deadline" in failed or self.monolithic:
-                    # failed mid-stream, or the retry is spent, or nothing was transferred to
-                    # retry (monolithic): no silent second attempt
-                    yield TokenEvent(rid, None, len(emitted), "error", failed)
+                    raise Overloaded(f"{self.kind} instances are full: {why}", 1.0) from err
+                elif isinstance(err, BadRequest):
+                    if handle is not None:
+                        self._cancel_source(handle)
+                    if emitted:
+                        yield TokenEvent(rid, None, len(emitted), "error", why, err)
+                        return
+                    raise err
+                elif (decoded or not transfer_retry or isinstance(err, DeadlineExceeded)
+                      or self.monolithic):
+                    # failed mid-stream, or the retry is spent, or no time is left, or nothing
+                    # was transferred to retry (monolithic): no silent second attempt
+                    yield TokenEvent(rid, None, len(emitted), "error", why, err)
                     return
-                else:
+                else:  # a transfer failure (TransferError), or one of no known type: once more
                     transfer_retry = False
                     self.retries += 1
-                    log.warning("request %s: retrying after %s", rid, failed)
+                    log.warning("request %s: retrying after %s", rid, why)
                 if not any(d.inst.alive for d in self.decode):
+                    if not emitted:  # nothing is out yet: the client can still get a 503
+                        raise BackendUnavailable(f"no live {self.kind} instance left ({why})")
                     yield TokenEvent(rid, None, len(emitted), "error",
-                                     f"no live {self.kind} instance left ({failed})")
+                                     f"no live {self.kind} instance left ({why})", err)
+                    return
+                if emitted and not any(p.inst.alive for p in self.prefill) and not self.monolithic:
+                    # tokens are out: an error event, not a 503 the client can no longer get
+                    yield TokenEvent(rid, None, len(emitted), "error",
+                                     f"no live prefill instance left ({why})", err)
                     return
                 current = self._resume(request, emitted)
                 if current is None:  # everything had been streamed already
@@ -291,15 +317,35 @@ class Router:
                 continue
             except asyncio.TimeoutError:
                 raise BackendUnavailable("prefill did not finish within the request deadline") from None
-            if res.error is not None:
-                if "PoolExhausted" not in res.error:
-                    raise ValueError(res.error)
+            if res.error is None:
+                return res.handle
+            err = remote_cause(res.exc) if res.exc is not None else None
+            if isinstance(err, PoolExhausted):
                 if time.monotonic() > min(give_up, end or give_up):
-                    raise Overloaded(f"prefill instance {q.inst.name} is full: {res.error}", 1.0)
+                    raise Overloaded(f"prefill instance {q.inst.name} is full: {res.error}",
+                                     1.0) from err
                 tried.discard(q.inst.name)
                 await asyncio.sleep(0.05)
                 continue
-            return res.handle
+            if isinstance(err, ValueError) and not isinstance(err, TransferError):
+                # the prefill rank's word for a request it cannot take (empty prompt, ids
+                # outside the vocabulary): the request's fault, the same on every instance
+                status = err.status if isinstance(err, BadRequest) else 400
+                raise BadRequest(f"prefill instance {q.inst.name}: {res.error}", status) from err
+            # an error of no known type (a vLLM export failure, TP ranks out of step): ours
+            raise RuntimeError(f"prefill instance {q.inst.name}: {res.error}") from err
+
+    def _mark_lost(self, err: BaseException | None) -> Instance | None:
+        """The instance an `InstanceLost` names, now marked dead (the poller may have seen it
+        first); None for any other error (a `PeerLost` from a transfer is a transfer failure:
+        the retry decides)."""
+        if not isinstance(err, InstanceLost):
+            return None
+        for inst in [p.inst for p in self.prefill] + [d.inst for d in self.decode]:
+            if inst.name == err.instance:
+                inst.alive = False
+                return inst
+        return None
 
     def _decode_idle(self) -> bool:
         return all(d.batcher.running == 0 and d.batcher.queued == 0 for d in self.decode)

@@ -1,5 +1,11 @@
 """Typed transfer errors. Every failure of a transfer surfaces as one of these, with a message
-that names the request, the peer and what was expected."""
+that names the request, the peer and what was expected.
+
+They are plain exception classes (any field beside the message has a default), so they pickle:
+raised in a rank actor they reach the caller as themselves (`RayRanks` unwraps Ray's
+`RayTaskError`), and the router decides on the class: `PeerLost` and the other transfer
+failures are retried once; an `InstanceLost` (cluster.actors, a `PeerLost`) drops the instance
+it names."""
 from __future__ import annotations
 
 
@@ -12,7 +18,8 @@ class TopologyError(TransferError, ValueError):
 
 
 class TransferTimeout(TransferError):
-    """The transfer did not finish within its deadline."""
+    """The transfer did not finish within its deadline (sized by its bytes; not the request's
+    deadline, which is `pdserve.decode.batcher.DeadlineExceeded`)."""
 
 
 class PeerLost(TransferError):

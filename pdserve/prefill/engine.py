@@ -31,6 +31,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     request_id: str
     handle: StateHandle | None = None
     error: str | None = None
+    # the refusal itself (PoolExhausted, ValueError for a bad request), pickled across Ray with
+    # the result so the router decides on its type; None where only a message is known
+    exc: BaseException | None = None
 
 
 class PrefillRank:
@@ -84,7 +87,8 @@ class PrefillRank:
             try:
                 admitted.append(self.engine.admit(Request(req.request_id, req.prompt, one_token)))
             except Exception as exc:
-                results[req.request_id] = PrefillResult(req.request_id, error=f"{type(exc).__name__}: {exc}")
+                results[req.request_id] = PrefillResult(
+                    req.request_id, error=f"{type(exc).__name__}: {exc}", exc=exc)
         if admitted:
             self.engine.prefill(admitted)
         for seq, req in zip(admitted, [r for r in requests if r.request_id not in results]):
