@@ -10,7 +10,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def environment() -> dict:
+def environment(commit: str | None = None) -> dict:
+    """`commit`: where the tree has no git metadata (the H200 gets a copy), the caller's."""
     import torch
 
     env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -18,14 +19,11 @@ def environment() -> dict:
            "machine": platform.machine(), "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads(),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else
-           f"CPU ({platform.processor() or platform.machine()})"}
+           f"CPU ({platform.processor() or platform.machine()})", "commit": _commit() or commit}
     if torch.cuda.is_available():
         env["cuda"] = torch.version.cuda
         env["capability"] = list(torch.cuda.get_device_capability(0))
         env["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
-        serial = _gpu_serial()
-        if serial:
-            env["gpu_serial"] = serial          # which machine: figures move between them
     for dist, module in (("pdserve", "pdserve"), ("nvidia-cutlass-dsl", "cutlass"),
                          ("fla-core", "fla"), ("triton", "triton")):
         v = _version(dist, module)
@@ -48,24 +46,23 @@ def _version(dist: str, module: str) -> str | None:
         return None
 
 
-def _gpu_serial() -> str | None:
+def _commit() -> str | None:
     import subprocess
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=serial", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.split("\n")[0].strip() or None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def write_result(name: str, figures: dict, out_dir: str | os.PathLike | None = None) -> Path:
+def write_result(name: str, figures: dict, out_dir: str | os.PathLike | None = None,
+                 commit: str | None = None) -> Path:
     """Write `{environment, figures}` as JSON to `<out_dir or results/>/<name>.json`."""
     d = Path(out_dir) if out_dir else RESULTS
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), "figures": figures}, indent=2))
+    path.write_text(json.dumps({"environment": environment(commit), "figures": figures}, indent=2))
     return path
 
 

@@ -114,13 +114,23 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
         raise
 
 
+def max_context(cfg: ServeConfig) -> int:
+    """The most tokens (prompt + output) one request may hold: the API's limit, and the
+    context the decode step's CUDA graphs are captured for."""
+    decode_tokens = (cfg.decode.num_pages - 1) * cfg.state.page_tokens
+    if cfg.vllm:  # vLLM's cache is sized in its own blocks; max_model_len bounds one request
+        return min(cfg.prefill.vllm.max_model_len, decode_tokens)
+    return min(cfg.prefill.num_pages - 1, cfg.decode.num_pages - 1) * cfg.state.page_tokens
+
+
 def decode_kwargs(cfg: ServeConfig) -> dict:
     """A decode rank's settings from the config (beside the model's `common` ones)."""
     transfer = TransferConfig(cfg.transfer.deadline_s, cfg.transfer.expected_gbps,
                               cfg.transfer.verify, cfg.transfer.lease_s)
     return dict(layout=cfg.decode_layout(), num_pages=cfg.decode.num_pages,
                 num_slots=cfg.decode.num_slots, backend=cfg.decode.backend, transfer=transfer,
-                cuda_graphs=cfg.decode.cuda_graphs, mla_fp8_query=cfg.decode.mla_fp8_query,
+                cuda_graphs=cfg.decode.cuda_graphs, graph_max_tokens=max_context(cfg),
+                mla_fp8_query=cfg.decode.mla_fp8_query,
                 mla_deterministic=cfg.decode.mla_deterministic)
 
 
@@ -147,12 +157,7 @@ def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Inst
                                 digests if cfg.transfer.verify else None)
         slots.append(DecodeSlot(d, engine, min(cfg.decode.max_batch, cfg.decode.num_slots - 1),
                                 cfg.api.max_queue))
-    decode_tokens = (cfg.decode.num_pages - 1) * cfg.state.page_tokens
-    if cfg.vllm:  # vLLM's cache is sized in its own blocks; max_model_len bounds one request
-        max_context = min(cfg.prefill.vllm.max_model_len, decode_tokens)
-    else:
-        max_context = min(cfg.prefill.num_pages - 1, cfg.decode.num_pages - 1) * cfg.state.page_tokens
-    router = Router(cfg.model.name, max_context, prefill, slots, cfg.api.max_queue,
+    router = Router(cfg.model.name, max_context(cfg), prefill, slots, cfg.api.max_queue,
                     cfg.resources.prefill_idle_threads)
     router.instances = prefill + decode
     return router

@@ -77,6 +77,21 @@ def mla_step_for(backend: str, fp8_query: str | None = None, deterministic: bool
     return lambda *args, **opts: step(*args, **fixed, **opts)
 
 
+def _fused_step(model, pools: StatePools, backend: str):
+    """The whole-step fused path (`pdserve.decode.fused_step`) for a non-reference backend,
+    or None (the model's own forward, with the fused KDA / MLA ops) where it does not apply
+    (TP > 1, not bf16, a feature it lacks: logged once)."""
+    if backend == registry.REFERENCE:
+        return None
+    from pdserve.decode.fused_step import FusedDecodeStep
+    from pdserve.model.model import NotSupportedYet
+    try:
+        return FusedDecodeStep(model, pools, backend)
+    except NotSupportedYet as exc:
+        log.warning("decode backend %s: whole-step fused path off: %s", backend, exc)
+        return None
+
+
 class DecodeRank:
     def __init__(self, instance: str, rank: int, config, tp: TPGroup | None = None,
                  layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
@@ -98,7 +113,7 @@ class DecodeRank:
                                 device=device, conv_staging=True)
         self.kda_step = kda_step_for(backend)
         self.mla_step = mla_step_for(backend, mla_fp8_query, mla_deterministic)
-        self.fused = None   # the whole-layer fused step (branch decode-fused-step) is not in yet
+        self.fused = _fused_step(self.model, self.pools, backend)
         self.graphs = (DecodeGraphs(self.model, self.pools, graph_max_tokens,
                                     kda_step=self.kda_step, mla_step=self.mla_step,
                                     forward=self._fused_forward if self.fused else None)

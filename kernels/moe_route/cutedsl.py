@@ -1,0 +1,186 @@
+"""CuTe DSL MoE router for decode steps on Hopper (sm_90a): one CTA, one launch.
+
+Replaces the ~20 small torch kernels of the reference with one: at decode batch sizes
+(B <= 64 tokens, E <= 1024 experts) the whole routing fits one CTA's shared memory.
+  1. one warp per token (tokens strided over the warps): each lane holds E/32 scores
+     (expert lane + 32 j), sigmoid(logit) and its biased choice value; top_k rounds of a warp
+     argmax (ties: the lower expert id) pick the experts; lane 0 renormalizes and scales the
+     unbiased scores and stores ids and weights in shared memory.
+  2. thread e counts the pairs of expert e (a broadcast scan of the B*k ids), then
+  3. its start as the sum of the counts before it (another broadcast scan), writes
+     group_end[e], and 4. writes its pairs in ascending token order.
+The shared expert (group E) gets token t's pair at B*k + t. Fixed orders throughout: the
+layout is deterministic. Compile-time: E, top_k, shared, renormalize, scaling; B is run-time.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import MAX_TOKENS
+
+WARP = 32
+NEG = -3.0e38
+
+
+class MoeRouteSm90:
+    def __init__(self, experts: int, top_k: int, shared: int, renormalize: bool,
+                 scaling: float, with_bias: bool):
+        if experts % WARP or not WARP <= experts <= 1024:
+            raise ValueError(f"experts must be a multiple of {WARP} in [{WARP}, 1024], got {experts}")
+        if not 1 <= top_k <= 16:
+            raise ValueError(f"top_k must be in 1..16, got {top_k}")
+        self.E, self.K, self.shared = experts, top_k, shared
+        self.renormalize, self.scaling, self.with_bias = renormalize, float(scaling), with_bias
+        self.EPL = experts // WARP
+        self.THREADS = max(experts, 256)
+        self.WARPS = self.THREADS // WARP
+        self.S = top_k + shared
+
+    @cute.jit
+    def __call__(self, logits: cute.Pointer, bias: cute.Pointer, pair_token: cute.Pointer,
+                 pair_weight: cute.Pointer, token_pair: cute.Pointer, group_end: cute.Pointer,
+                 B: Int32, stream):
+        self.kernel(logits, bias, pair_token, pair_weight, token_pair, group_end, B).launch(
+            grid=[1, 1, 1], block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, logits: cute.Pointer, bias: cute.Pointer, pair_token: cute.Pointer,
+               pair_weight: cute.Pointer, token_pair: cute.Pointer, group_end: cute.Pointer,
+               B: Int32):
+        E, K, S, EPL = self.E, self.K, self.S, self.EPL
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % WARP
+        warp = tidx // WARP
+        smem = cutlass.memory.SmemAllocator()
+        sIds = smem.allocate_tensor(Int32, cute.make_layout(MAX_TOKENS * K), 16)
+        sW = smem.allocate_tensor(Float32, cute.make_layout(MAX_TOKENS * K), 16)
+        sCount = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        mLogits = cute.make_tensor(logits, cute.make_layout((MAX_TOKENS, E), stride=(E, 1)))
+        mBias = cute.make_tensor(bias, cute.make_layout(E))
+        mPairToken = cute.make_tensor(pair_token, cute.make_layout(MAX_TOKENS * S))
+        mPairWeight = cute.make_tensor(pair_weight, cute.make_layout(MAX_TOKENS * S))
+        mTokenPair = cute.make_tensor(token_pair, cute.make_layout(MAX_TOKENS * S))
+        mGroupEnd = cute.make_tensor(group_end, cute.make_layout(E + 1))
+
+        # 1. top-k per token, one warp per token
+        rS = cute.make_rmem_tensor(cute.make_layout(EPL), Float32)
+        rC = cute.make_rmem_tensor(cute.make_layout(EPL), Float32)
+        for t in range(warp, B, self.WARPS):
+            for j in cutlass.range_constexpr(EPL):
+                x = mLogits[t, lane + WARP * j]
+                s = 1.0 / (1.0 + cute.math.exp(-x))
+                rS[j] = s
+                c = s
+                if cutlass.const_expr(self.with_bias):
+                    c = s + mBias[lane + WARP * j]
+                rC[j] = c
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(K):
+                bv = Float32(NEG)
+                bs = Float32(0.0)
+                bi = Int32(E)
+                for j in cutlass.range_constexpr(EPL):
+                    if rC[j] > bv:          # ascending j: on ties the lower id stays
+                        bv = rC[j]
+                        bs = rS[j]
+                        bi = lane + WARP * j
+                for off in cutlass.range_constexpr(5):
+                    ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << (4 - off))
+                    os_ = cute.arch.shuffle_sync_bfly(bs, offset=1 << (4 - off))
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << (4 - off))
+                    if (ov > bv) | ((ov == bv) & (oi < bi)):
+                        bv = ov
+                        bs = os_
+                        bi = oi
+                for j in cutlass.range_constexpr(EPL):
+                    if lane + WARP * j == bi:
+                        rC[j] = Float32(NEG)
+                total = total + bs
+                if lane == 0:
+                    sIds[t * K + r] = bi
+                    sW[t * K + r] = bs
+            if lane == 0:
+                for r in cutlass.range_constexpr(K):
+                    w = sW[t * K + r]
+                    if cutlass.const_expr(self.renormalize):
+                        w = w / (total + 1e-20)
+                    sW[t * K + r] = w * self.scaling
+        cute.arch.sync_threads()
+
+        n = B * K
+        # 2. pairs per expert
+        if tidx < E:
+            cnt = Int32(0)
+            for i in range(n):
+                if sIds[i] == tidx:
+                    cnt = cnt + 1
+            sCount[tidx] = cnt
+        cute.arch.sync_threads()
+        # 3. starts and group ends; 4. the pairs, tokens ascending
+        if tidx < E:
+            start = Int32(0)
+            for j in range(E):
+                if j < tidx:
+                    start = start + sCount[j]
+            mGroupEnd[tidx] = start + sCount[tidx]
+            c = start
+            for i in range(n):
+                if sIds[i] == tidx:
+                    t = i // K
+                    mPairToken[c] = t
+                    mPairWeight[c] = sW[i]
+                    mTokenPair[t * S + (i - t * K)] = c
+                    c = c + 1
+        if cutlass.const_expr(self.shared > 0):
+            if tidx == 0:
+                mGroupEnd[E] = n + B
+            for t in range(tidx, B, self.THREADS):
+                mPairToken[n + t] = t
+                mPairWeight[n + t] = Float32(1.0)
+                mTokenPair[t * S + K] = n + t
+
+
+_compiled: dict[tuple, Any] = {}
+_lock = threading.Lock()
+
+
+def _ptr(dtype, addr: int, align: int):
+    from cutlass.cute.runtime import make_ptr
+    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+_SPECS = ((Float32, 4), (Float32, 4), (Int32, 4), (Float32, 4), (Int32, 4), (Int32, 4))
+
+
+def compile_variant(experts: int, top_k: int, shared: int, renormalize: bool, scaling: float,
+                    with_bias: bool):
+    """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a."""
+    import cuda.bindings.driver as cuda
+    key = (experts, top_k, shared, renormalize, float(scaling), with_bias)
+    with _lock:
+        fn = _compiled.get(key)
+        if fn is None:
+            kern = MoeRouteSm90(*key)
+            fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
+            fn = cute.compile(kern, *fake, Int32(1), cuda.CUstream(0))
+            _compiled[key] = fn
+    return fn
+
+
+def launch(logits, bias, top_k, groups, topk_group, func, renormalize, scaling, shared,
+           pair_token, pair_weight, token_pair, group_end):
+    """The kernel on the current torch stream (arguments validated by the guard)."""
+    import cuda.bindings.driver as cuda
+    import torch
+    B, E = logits.shape
+    fn = compile_variant(E, top_k, shared, renormalize, scaling, bias is not None)
+    tensors = (logits, bias if bias is not None else logits, pair_token, pair_weight,
+               token_pair, group_end)
+    ptrs = [_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
+    fn(*ptrs, Int32(B), cuda.CUstream(torch.cuda.current_stream(logits.device).cuda_stream))
+    return pair_token, pair_weight, token_pair, group_end
