@@ -221,18 +221,24 @@ class FusedDecodeStep:
                    else _Mlp(layer.mlp))
             self.layers.append((layer, idx, attn, ffn))
 
+    def layer(self, i: int, x, delta, h, batch: DecodeBatch):
+        """Layer i on the residual stream `x` (updated in place) with the previous layer's FFN
+        output `delta` still to add; `h` is scratch. Returns this layer's FFN output."""
+        layer, idx, attn, ffn = self.layers[i]
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.ops.norm(x, delta, n1.weight, n1.eps, h, None if delta is None else x)
+        a = attn(h, batch, self.pools, idx)
+        self.ops.norm(x, a, n2.weight, n2.eps, h, x)
+        return ffn(h)
+
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        m, ops = self.model, self.ops
+        m = self.model
         x = F.embedding(ids, m.model.embed_tokens.weight)         # the residual stream
         h = torch.empty_like(x)
         delta = None
-        for layer, idx, attn, ffn in self.layers:
-            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-            ops.norm(x, delta, n1.weight, n1.eps, h, None if delta is None else x)
-            a = attn(h, batch, self.pools, idx)
-            ops.norm(x, a, n2.weight, n2.eps, h, x)
-            delta = ffn(h)
+        for i in range(len(self.layers)):
+            delta = self.layer(i, x, delta, h, batch)
         n = m.model.norm
-        ops.norm(x, delta, n.weight, n.eps, h)
+        self.ops.norm(x, delta, n.weight, n.eps, h)
         return _mm_f32(h, m.lm_head.weight)
