@@ -122,7 +122,7 @@ def breakdown(fused, batch_fn, B: int) -> dict:
     return out
 
 
-def run_pdserve(layers, batches, contexts, routing, steps) -> list[dict]:
+def run_pdserve(layers, batches, contexts, routing, steps, cuda_core_moe_max_batch):
     import torch
     from pdserve.decode.fused_step import FusedDecodeStep
     from pdserve.decode.graphs import DecodeGraphs
@@ -141,7 +141,7 @@ def run_pdserve(layers, batches, contexts, routing, steps) -> list[dict]:
     pools = StatePools(RankShapes.of(config, 1), layout, Bmax * pages_per + 1, Bmax + 1,
                        device="cuda")
     random_state(pools)
-    fused = FusedDecodeStep(model, pools, "cutedsl")
+    fused = FusedDecodeStep(model, pools, "cutedsl", cuda_core_moe_max_batch)
     stage(f"{layers} layers, routing {routing}: built in {time.time() - t0:.0f} s")
 
     def tables_for(B, ctx):
@@ -175,6 +175,7 @@ def run_pdserve(layers, batches, contexts, routing, steps) -> list[dict]:
             floor_bytes = wb["dense"] + wb["experts"] + state + latent
             floor_ms = floor_bytes / (COPY_GBPS * 1e9) * 1e3
             rows.append({"layers": layers, "batch": B, "context": ctx, "routing": routing,
+                         "moe": "cuda_cores" if B <= cuda_core_moe_max_batch else "grouped_gemm",
                          "pdserve_ms": round(ms, 3), "tok_s_user": round(1e3 / ms, 1),
                          "kernels_per_layer": round(len(ks) / layers, 1),
                          "experts_touched_per_layer": round(touched, 1),
@@ -293,6 +294,8 @@ def main() -> int:
     ap.add_argument("--vllm-json", nargs="*", default=[],
                     help="vLLM rows of an earlier call of this session (this script's JSON)")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--cuda-core-moe-max-batch", type=int, default=None,
+                    help="largest batch whose experts run on CUDA cores (default: the step's)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="decode_step_h200")
     ap.add_argument("--commit", default=None, help="the tree's commit where it has no .git")
@@ -306,6 +309,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("decode_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    from pdserve.decode.fused_step import CUDA_CORE_MOE_MAX_BATCH
+    moe_max = (CUDA_CORE_MOE_MAX_BATCH if a.cuda_core_moe_max_batch is None
+               else a.cuda_core_moe_max_batch)
     rows, breakdowns, fallbacks, vllm_version = [], {}, [], None
     for f in a.vllm_json:
         prev = json.loads(Path(f).read_text())["figures"]
@@ -314,7 +320,7 @@ def main() -> int:
     for layers in a.layers:
         if "pdserve" in a.what:
             for routing in a.routing:
-                r, bd, fb = run_pdserve(layers, a.batches, a.contexts, routing, a.steps)
+                r, bd, fb = run_pdserve(layers, a.batches, a.contexts, routing, a.steps, moe_max)
                 rows += r
                 if bd:
                     breakdowns[f"{layers}_layers"] = bd
@@ -341,7 +347,7 @@ def main() -> int:
                 merged.append(dict(r))
     figures = {"rows": merged, "breakdown": breakdowns, "fallbacks": fallbacks,
                "vllm_version": vllm_version, "copy_gbps": COPY_GBPS,
-               "vllm_out_lengths": VLLM_OUT}
+               "vllm_out_lengths": VLLM_OUT, "cuda_core_moe_max_batch": moe_max}
     path = write_result(a.name, figures, a.out, commit=a.commit)
     print(table(merged))
     print(f"wrote {path}")

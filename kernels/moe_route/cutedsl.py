@@ -1,16 +1,20 @@
 """CuTe DSL MoE router for decode steps on Hopper (sm_90a): one CTA, one launch.
 
 Replaces the ~20 small torch kernels of the reference with one: at decode batch sizes
-(B <= 64 tokens, E <= 1024 experts) the whole routing fits one CTA's shared memory.
+(B <= 64 tokens, E <= 1024 experts) the whole routing fits one CTA.
   1. one warp per token (tokens strided over the warps): each lane holds E/32 scores
      (expert lane + 32 j), sigmoid(logit) and its biased choice value; top_k rounds of a warp
-     argmax (ties: the lower expert id) pick the experts; lane 0 renormalizes and scales the
-     unbiased scores and stores ids and weights in shared memory.
-  2. thread e counts the pairs of expert e (a broadcast scan of the B*k ids), then
-  3. its start as the sum of the counts before it (another broadcast scan), writes
-     group_end[e], and 4. writes its pairs in ascending token order.
-The shared expert (group E) gets token t's pair at B*k + t. Fixed orders throughout: the
-layout is deterministic. Compile-time: E, top_k, shared, renormalize, scaling; B is run-time.
+     argmax (ties: the lower expert id) pick the experts. Lane 0 renormalizes and scales the
+     unbiased scores, keeps ids and weights in shared memory and sets token t's bit in each
+     chosen expert's 64-bit token mask (shared-memory atomics).
+  2. thread e counts its expert's pairs (popcounts) and one block scan (warp shuffles, then
+     the warps' totals) gives every expert its first pair and its run (groups with pairs,
+     compacted): group_end, run_expert, run_start.
+  3. back per token: the lane of slot r finds its pair as its expert's start plus the tokens
+     below t in that expert's mask, and writes the pair and token_pair.
+The shared expert (group E) gets token t's pair at B*k + t and the run after the last routed
+one. The layout is deterministic. Compile-time: E, top_k, shared, renormalize, scaling, bias;
+B is run-time.
 """
 from __future__ import annotations
 
@@ -25,33 +29,35 @@ from . import MAX_TOKENS
 
 WARP = 32
 NEG = -3.0e38
+THREADS = 1024
 
 
 class MoeRouteSm90:
     def __init__(self, experts: int, top_k: int, shared: int, renormalize: bool,
                  scaling: float, with_bias: bool):
-        if experts % WARP or not WARP <= experts <= 1024:
-            raise ValueError(f"experts must be a multiple of {WARP} in [{WARP}, 1024], got {experts}")
+        if experts % WARP or not WARP <= experts <= THREADS:
+            raise ValueError(f"experts must be a multiple of {WARP} in [{WARP}, {THREADS}], "
+                             f"got {experts}")
         if not 1 <= top_k <= 16:
             raise ValueError(f"top_k must be in 1..16, got {top_k}")
         self.E, self.K, self.shared = experts, top_k, shared
         self.renormalize, self.scaling, self.with_bias = renormalize, float(scaling), with_bias
         self.EPL = experts // WARP
-        self.THREADS = max(experts, 256)
-        self.WARPS = self.THREADS // WARP
+        self.WARPS = THREADS // WARP
+        self.EW = experts // WARP          # warps holding an expert in the scan
         self.S = top_k + shared
 
     @cute.jit
     def __call__(self, logits: cute.Pointer, bias: cute.Pointer, pair_token: cute.Pointer,
                  pair_weight: cute.Pointer, token_pair: cute.Pointer, group_end: cute.Pointer,
-                 B: Int32, stream):
-        self.kernel(logits, bias, pair_token, pair_weight, token_pair, group_end, B).launch(
-            grid=[1, 1, 1], block=[self.THREADS, 1, 1], stream=stream)
+                 run_expert: cute.Pointer, run_start: cute.Pointer, B: Int32, stream):
+        self.kernel(logits, bias, pair_token, pair_weight, token_pair, group_end, run_expert,
+                    run_start, B).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, logits: cute.Pointer, bias: cute.Pointer, pair_token: cute.Pointer,
                pair_weight: cute.Pointer, token_pair: cute.Pointer, group_end: cute.Pointer,
-               B: Int32):
+               run_expert: cute.Pointer, run_start: cute.Pointer, B: Int32):
         E, K, S, EPL = self.E, self.K, self.S, self.EPL
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % WARP
@@ -59,13 +65,24 @@ class MoeRouteSm90:
         smem = cutlass.memory.SmemAllocator()
         sIds = smem.allocate_tensor(Int32, cute.make_layout(MAX_TOKENS * K), 16)
         sW = smem.allocate_tensor(Float32, cute.make_layout(MAX_TOKENS * K), 16)
-        sCount = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        sMask = smem.allocate_tensor(Int32, cute.make_layout(2 * E), 16)
+        sStart = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(WARP), 16)
         mLogits = cute.make_tensor(logits, cute.make_layout((MAX_TOKENS, E), stride=(E, 1)))
         mBias = cute.make_tensor(bias, cute.make_layout(E))
         mPairToken = cute.make_tensor(pair_token, cute.make_layout(MAX_TOKENS * S))
         mPairWeight = cute.make_tensor(pair_weight, cute.make_layout(MAX_TOKENS * S))
         mTokenPair = cute.make_tensor(token_pair, cute.make_layout(MAX_TOKENS * S))
         mGroupEnd = cute.make_tensor(group_end, cute.make_layout(E + 1))
+        mRunExpert = cute.make_tensor(run_expert, cute.make_layout(E + 1))
+        mRunStart = cute.make_tensor(run_start, cute.make_layout(E + 2))
+        n = B * K
+        P = n + B * self.shared
+        R = cutlass.min(Int32(E), n) + self.shared
+
+        for i in range(tidx, 2 * E, THREADS):
+            sMask[i] = Int32(0)
+        cute.arch.sync_threads()
 
         # 1. top-k per token, one warp per token
         rS = cute.make_rmem_tensor(cute.make_layout(EPL), Float32)
@@ -101,48 +118,81 @@ class MoeRouteSm90:
                     if lane + WARP * j == bi:
                         rC[j] = Float32(NEG)
                 total = total + bs
-                if lane == 0:
+                if lane == r:
                     sIds[t * K + r] = bi
                     sW[t * K + r] = bs
-            if lane == 0:
-                for r in cutlass.range_constexpr(K):
-                    w = sW[t * K + r]
-                    if cutlass.const_expr(self.renormalize):
-                        w = w / (total + 1e-20)
-                    sW[t * K + r] = w * self.scaling
+                    cute.arch.atomic_or(sMask.iterator + (2 * bi + t // WARP),
+                                        Int32(1) << (t % WARP))
+            cute.arch.sync_warp()           # lane r's sW store, seen by the warp
+            if lane < K:
+                w = sW[t * K + lane]
+                if cutlass.const_expr(self.renormalize):
+                    w = w / (total + 1e-20)
+                sW[t * K + lane] = w * self.scaling
         cute.arch.sync_threads()
 
-        n = B * K
-        # 2. pairs per expert
+        # 2. counts -> starts and runs: one block scan of (run flag << 16 | count)
+        cnt = Int32(0)
         if tidx < E:
-            cnt = Int32(0)
-            for i in range(n):
-                if sIds[i] == tidx:
-                    cnt = cnt + 1
-            sCount[tidx] = cnt
+            cnt = cute.arch.popc(sMask[2 * tidx]) + cute.arch.popc(sMask[2 * tidx + 1])
+        packed = cnt
+        if cnt > 0:
+            packed = packed + (Int32(1) << 16)
+        incl = packed
+        for off in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, offset=1 << off)
+            if lane >= (1 << off):
+                incl = incl + up
+        if lane == WARP - 1:
+            sWarp[warp] = incl
         cute.arch.sync_threads()
-        # 3. starts and group ends; 4. the pairs, tokens ascending
+        before = Int32(0)
+        for w in cutlass.range_constexpr(self.EW):
+            if w < warp:
+                before = before + sWarp[w]
+        incl = incl + before
+        excl = incl - packed
         if tidx < E:
-            start = Int32(0)
-            for j in range(E):
-                if j < tidx:
-                    start = start + sCount[j]
-            mGroupEnd[tidx] = start + sCount[tidx]
-            c = start
-            for i in range(n):
-                if sIds[i] == tidx:
-                    t = i // K
-                    mPairToken[c] = t
-                    mPairWeight[c] = sW[i]
-                    mTokenPair[t * S + (i - t * K)] = c
-                    c = c + 1
-        if cutlass.const_expr(self.shared > 0):
-            if tidx == 0:
-                mGroupEnd[E] = n + B
-            for t in range(tidx, B, self.THREADS):
-                mPairToken[n + t] = t
-                mPairWeight[n + t] = Float32(1.0)
-                mTokenPair[t * S + K] = n + t
+            start = excl & 0xFFFF
+            sStart[tidx] = start
+            mGroupEnd[tidx] = incl & 0xFFFF
+            if cnt > 0:
+                mRunExpert[excl >> 16] = tidx
+                mRunStart[excl >> 16] = start
+        # the runs past the routed ones: the shared expert's, then empty ones
+        if tidx == E - 1:
+            used = incl >> 16
+            if cutlass.const_expr(self.shared > 0):
+                mGroupEnd[E] = P
+                mRunExpert[used] = E
+                mRunStart[used] = n
+                used = used + 1
+            for r in range(used, R):
+                mRunExpert[r] = 0
+                mRunStart[r] = P
+            mRunStart[R] = P
+        cute.arch.sync_threads()
+
+        # 3. each token's pairs: its expert's start + the tokens below it in the mask
+        for t in range(warp, B, self.WARPS):
+            if lane < K:
+                e = sIds[t * K + lane]
+                m0 = sMask[2 * e]
+                m1 = sMask[2 * e + 1]
+                below = Int32(0)
+                if t < WARP:
+                    below = cute.arch.popc(m0 & ((Int32(1) << t) - 1))
+                else:
+                    below = cute.arch.popc(m0) + cute.arch.popc(m1 & ((Int32(1) << (t - WARP)) - 1))
+                p = sStart[e] + below
+                mPairToken[p] = t
+                mPairWeight[p] = sW[t * K + lane]
+                mTokenPair[t * S + lane] = p
+            if cutlass.const_expr(self.shared > 0):
+                if lane == K:
+                    mPairToken[n + t] = t
+                    mPairWeight[n + t] = Float32(1.0)
+                    mTokenPair[t * S + K] = n + t
 
 
 _compiled: dict[tuple, Any] = {}
@@ -154,7 +204,8 @@ def _ptr(dtype, addr: int, align: int):
     return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
-_SPECS = ((Float32, 4), (Float32, 4), (Int32, 4), (Float32, 4), (Int32, 4), (Int32, 4))
+_SPECS = ((Float32, 4), (Float32, 4), (Int32, 4), (Float32, 4), (Int32, 4), (Int32, 4),
+          (Int32, 4), (Int32, 4))
 
 
 def compile_variant(experts: int, top_k: int, shared: int, renormalize: bool, scaling: float,
@@ -173,14 +224,14 @@ def compile_variant(experts: int, top_k: int, shared: int, renormalize: bool, sc
 
 
 def launch(logits, bias, top_k, groups, topk_group, func, renormalize, scaling, shared,
-           pair_token, pair_weight, token_pair, group_end):
+           pair_token, pair_weight, token_pair, group_end, run_expert, run_start):
     """The kernel on the current torch stream (arguments validated by the guard)."""
     import cuda.bindings.driver as cuda
     import torch
     B, E = logits.shape
     fn = compile_variant(E, top_k, shared, renormalize, scaling, bias is not None)
     tensors = (logits, bias if bias is not None else logits, pair_token, pair_weight,
-               token_pair, group_end)
+               token_pair, group_end, run_expert, run_start)
     ptrs = [_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
     fn(*ptrs, Int32(B), cuda.CUstream(torch.cuda.current_stream(logits.device).cuda_stream))
-    return pair_token, pair_weight, token_pair, group_end
+    return pair_token, pair_weight, token_pair, group_end, run_expert, run_start
