@@ -1,4 +1,4 @@
-"""The serving config: one TOML file validated by msgspec (DESIGN.md §6).
+"""The serving config: one TOML file validated by msgspec (docs/design.md §7).
 
 Every invalid field is reported with its dotted path (`decode.tp: ...`), and `describe()` prints
 the topology and its capacity without starting anything (`pdserve check`).

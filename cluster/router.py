@@ -1,7 +1,7 @@
 """The router: the API's `GenerationBackend` over Ray prefill and decode instances, or over
 monolithic instances.
 
-Per request (DESIGN.md §2): pick a prefill instance (least queued prompt tokens), prefill there
+Per request (docs/design.md §2): pick a prefill instance (least queued prompt tokens), prefill there
 (first token + state handle), pick a decode instance (most free pages, then least running), pull
 the state into it and stream its tokens. In monolithic mode (no prefill instances) the picked
 instance prefills the request itself and streams every token, the same way. Failures are handled

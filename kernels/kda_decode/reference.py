@@ -13,7 +13,7 @@ The op (one decode step, T = 1 per request; D = K = V = 128 for the kernel, any 
     conv_weight [3*H*D, W] fp32 (tap W-1 multiplies the current input), A_log [H] fp32,
     dt_bias [H*D] fp32, norm_weight [D] fp32, eps, lower_bound (float: K3 bounded decay;
     None: Kimi-Linear softplus decay)
-  pools (per KDA layer, DESIGN.md §3), updated in place:
+  pools (per KDA layer, docs/design.md §3), updated in place:
     state_pool [num_slots, H, V, K] fp32 (value-major, key contiguous)
     conv_pool  bf16, channels packed [q | k | v] (3*H*D), taps oldest first:
                "SD" = [num_slots, W-1, 3*H*D], "DS" = [num_slots, 3*H*D, W-1]

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step, one per batch-size bucket (DESIGN.md §5).
+"""CUDA graphs of the decode step, one per batch-size bucket (docs/design.md §5).
 
 The decode step (`pdserve.model.batch.DecodeBatch`: static shapes, no host syncs) is captured once
 per bucket over the rank's pools: either the model's own forward (with the registry's fused KDA /

@@ -33,7 +33,7 @@ log = logging.getLogger("pdserve.decode")
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
                 ) -> list[int]:
     """Row i's token for output position `positions[i]`: exactly what the reference loop's
-    `sample_next` draws for the same logits (seeded by position, DESIGN.md §2), on the logits'
+    `sample_next` draws for the same logits (seeded by position, docs/design.md §2), on the logits'
     device."""
     return sample_batch(logits, params, positions)
 

@@ -1,6 +1,6 @@
 """The monolithic reference generate loop: prefill then decode in one engine.
 
-This is the baseline every equivalence test compares against (DESIGN.md §2): the same weights,
+This is the baseline every equivalence test compares against (docs/design.md §2): the same weights,
 sampling seed and backend must give the same tokens through the disaggregated path.
 """
 from __future__ import annotations
