@@ -26,6 +26,7 @@ timings of two output lengths (the prompt prefill cancels).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -204,7 +205,7 @@ def experts_touched(fused, ids, batch) -> float:
 
     def spy(ops, *args):
         out = orig(ops, *args)
-        ge = args[-1]
+        ge = args[12]                                      # group_end
         sizes = torch.diff(ge.long(), prepend=ge.new_zeros(1).long())
         counts.append(int((sizes[:args[0].shape[1]] > 0).sum()))
         return out
@@ -325,6 +326,7 @@ def main() -> int:
                 if bd:
                     breakdowns[f"{layers}_layers"] = bd
                 fallbacks += fb
+                gc.collect()
                 torch.cuda.empty_cache()
         if "vllm" in a.what:
             v = run_vllm(layers, a.batches, a.contexts)
