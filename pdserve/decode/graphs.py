@@ -33,7 +33,7 @@ Forward = Callable[[torch.Tensor, DecodeBatch], torch.Tensor]
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    packed: torch.Tensor    # [bucket, 4 + max_pages] static input (DecodeBatch.pack)
+    packed: torch.Tensor    # [bucket, 6 + max_pages] static input (DecodeBatch.pack)
     staging: torch.Tensor   # pinned host copy of it
     logits: torch.Tensor    # [bucket, vocab] static output
     greedy: torch.Tensor    # [bucket] argmax of the logits

@@ -75,7 +75,9 @@ class DecodeBatch:
     slot ids as int32, built with the batch: the fused KDA op reads it before its PDL wait, so it
     must not be converted by a kernel right before that op (see `KDAAttention.forward`).
     `mla_pages` / `mla_seq_lens` are the fused MLA op's int32 block table and lengths (the new
-    token included), also built once per step rather than converted in every MLA layer."""
+    token included), also built once per step rather than converted in every MLA layer;
+    `new_page` / `new_row` say where each row's new latent goes (page 0, row 0 for padding),
+    worked out on the host with the batch."""
     slots: torch.Tensor         # [B] int64
     pages: torch.Tensor         # [B, max_pages] int64
     context: torch.Tensor       # [B] int64
@@ -83,6 +85,8 @@ class DecodeBatch:
     kda_slots: torch.Tensor     # [B] int32, = slots
     mla_pages: torch.Tensor     # [B, max_pages] int32, = pages
     mla_seq_lens: torch.Tensor  # [B] int32, = context + 1
+    new_page: torch.Tensor      # [B] int64, the page of position context
+    new_row: torch.Tensor       # [B] int64, its row in that page
 
     @property
     def num_rows(self) -> int:
@@ -110,22 +114,25 @@ class DecodeBatch:
         slots = torch.tensor([t.kda_slot for t in tables] + [0] * pad, dtype=torch.long)
         context = torch.tensor([t.num_tokens for t in tables] + [0] * pad, dtype=torch.long)
         live = torch.arange(rows) < len(tables)
+        new_page = pages.gather(1, (context // page_tokens)[:, None])[:, 0]
         return DecodeBatch(slots.to(device), pages.to(device), context.to(device),
                            live.to(device), slots.to(torch.int32).to(device),
                            pages.to(torch.int32).to(device),
-                           (context + 1).to(torch.int32).to(device))
+                           (context + 1).to(torch.int32).to(device), new_page.to(device),
+                           (context % page_tokens).to(device))
 
     @staticmethod
     def pack(tables: list[BlockTable], tokens: list[int], page_tokens: int, rows: int,
              max_pages: int) -> torch.Tensor:
-        """A step's inputs as one int64 CPU tensor [rows, 4 + max_pages] (token, slot, context,
-        live, pages...), so they reach the device in one copy; `from_packed` unpacks it there.
-        Rows past len(tables) are padding (token 0, slot 0, page 0, not live)."""
+        """A step's inputs as one int64 CPU tensor [rows, 6 + max_pages] (token, slot, context,
+        live, new page, new row, pages...), so they reach the device in one copy; `from_packed`
+        unpacks it there. Rows past len(tables) are padding (token 0, slot 0, page 0, not
+        live)."""
         if len(tables) > rows:
             raise ValueError(f"{len(tables)} sequences do not fit a batch of {rows} rows")
         if len(tokens) != len(tables):
             raise ValueError(f"{len(tokens)} tokens for {len(tables)} sequences")
-        packed = np.zeros((rows, 4 + max_pages), dtype=np.int64)
+        packed = np.zeros((rows, 6 + max_pages), dtype=np.int64)
         for i, (t, tok) in enumerate(zip(tables, tokens)):
             n = t.num_tokens // page_tokens + 1            # pages up to the new token
             pages = _pages(t)
@@ -133,8 +140,9 @@ class DecodeBatch:
                 raise IndexError(f"token {t.num_tokens} is beyond the {len(pages)} pages owned")
             if n > max_pages:
                 raise ValueError(f"a sequence with {n} pages does not fit max_pages={max_pages}")
-            packed[i, :4] = (tok, t.kda_slot, t.num_tokens, 1)
-            packed[i, 4:4 + n] = pages[:n]
+            packed[i, :6] = (tok, t.kda_slot, t.num_tokens, 1, pages[n - 1],
+                             t.num_tokens % page_tokens)
+            packed[i, 6:6 + n] = pages[:n]
         return torch.from_numpy(packed)
 
     @staticmethod
@@ -142,7 +150,7 @@ class DecodeBatch:
         """(token ids, batch) from `pack`'s tensor, by device ops only (a captured graph's
         first kernels: the int32 views are built here, well before the ops that read them)."""
         slots, context = packed[:, 1], packed[:, 2]
-        pages = packed[:, 4:]
+        pages = packed[:, 6:]
         return packed[:, 0], DecodeBatch(
             slots, pages, context, packed[:, 3] != 0, slots.to(torch.int32),
-            pages.to(torch.int32), (context + 1).to(torch.int32))
+            pages.to(torch.int32), (context + 1).to(torch.int32), packed[:, 4], packed[:, 5])

@@ -149,9 +149,7 @@ def _store_decode_rows(pool: LatentPool, layer: int, batch: DecodeBatch,
                        new_rows: torch.Tensor) -> None:
     """Store each live row's new latent at its position, by tensor indices only. Padding rows
     store back what their page-0 slot already holds, so the pool is left bit-identical there."""
-    data, pt = pool.data[layer], pool.page_tokens
-    page = batch.pages.gather(1, (batch.context // pt)[:, None])[:, 0]
-    row = batch.context % pt
+    data, page, row = pool.data[layer], batch.new_page, batch.new_row
     data.index_put_((page, row),
                     torch.where(batch.live[:, None], pool.quantize(new_rows), data[page, row]))
 
