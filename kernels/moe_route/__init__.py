@@ -46,8 +46,8 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
         return f"needs sm_90 (Hopper), got capability {p['capability']}"
     if not 1 <= p["batch"] <= MAX_TOKENS:
         return f"batch {p['batch']} not in 1..{MAX_TOKENS}"
-    if p["experts"] % 32 or not 32 <= p["experts"] <= 1024:
-        return f"experts must be a multiple of 32 in 32..1024, got {p['experts']}"
+    if p["experts"] % 32 or not 32 <= p["experts"] <= 512:
+        return f"experts must be a multiple of 32 in 32..512, got {p['experts']}"
     if not 1 <= p["top_k"] <= 16:
         return f"top_k must be in 1..16, got {p['top_k']}"
     if p["groups"] != 1:

@@ -1,7 +1,7 @@
 """CuTe DSL MoE router for decode steps on Hopper (sm_90a): one CTA, one launch.
 
 Replaces the ~20 small torch kernels of the reference with one: at decode batch sizes
-(B <= 64 tokens, E <= 1024 experts) the whole routing fits one CTA.
+(B <= 64 tokens, E <= 512 experts) the whole routing fits one CTA.
   1. one warp per token (tokens strided over the warps): each lane holds E/32 scores
      (expert lane + 32 j), sigmoid(logit) and its biased choice value; top_k rounds of a warp
      argmax (ties: the lower expert id) pick the experts. Lane 0 renormalizes and scales the
@@ -30,13 +30,14 @@ from . import MAX_TOKENS
 WARP = 32
 NEG = -3.0e38
 THREADS = 1024
+MAX_EXPERTS = 512     # 2 x E/32 scores per lane within the 64 registers of a 1024-thread CTA
 
 
 class MoeRouteSm90:
     def __init__(self, experts: int, top_k: int, shared: int, renormalize: bool,
                  scaling: float, with_bias: bool):
-        if experts % WARP or not WARP <= experts <= THREADS:
-            raise ValueError(f"experts must be a multiple of {WARP} in [{WARP}, {THREADS}], "
+        if experts % WARP or not WARP <= experts <= MAX_EXPERTS:
+            raise ValueError(f"experts must be a multiple of {WARP} in [{WARP}, {MAX_EXPERTS}], "
                              f"got {experts}")
         if not 1 <= top_k <= 16:
             raise ValueError(f"top_k must be in 1..16, got {top_k}")
@@ -209,17 +210,21 @@ _SPECS = ((Float32, 4), (Float32, 4), (Int32, 4), (Float32, 4), (Int32, 4), (Int
 
 
 def compile_variant(experts: int, top_k: int, shared: int, renormalize: bool, scaling: float,
-                    with_bias: bool):
-    """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a."""
+                    with_bias: bool, dump_dir: str | None = None):
+    """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a. With
+    `dump_dir` the PTX and cubin are kept there (`.artifacts`), bypassing the cache."""
     import cuda.bindings.driver as cuda
     key = (experts, top_k, shared, renormalize, float(scaling), with_bias)
+
+    def build(**opts):
+        fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
+        return cute.compile(MoeRouteSm90(*key), *fake, Int32(1), cuda.CUstream(0), **opts)
+    if dump_dir is not None:
+        return build(options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     with _lock:
         fn = _compiled.get(key)
         if fn is None:
-            kern = MoeRouteSm90(*key)
-            fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
-            fn = cute.compile(kern, *fake, Int32(1), cuda.CUstream(0))
-            _compiled[key] = fn
+            fn = _compiled[key] = build()
     return fn
 
 

@@ -122,18 +122,24 @@ def _ptr(dtype, addr: int, align: int):
     return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_variant(dim: int, delta: str, slots: int, write_residual: bool):
-    """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a."""
+def compile_variant(dim: int, delta: str, slots: int, write_residual: bool,
+                    dump_dir: str | None = None):
+    """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a. With
+    `dump_dir` the PTX and cubin are kept there (`.artifacts`), bypassing the cache."""
     import cuda.bindings.driver as cuda
     key = (dim, delta, slots, write_residual)
+
+    def build(**opts):
+        kern = AddRmsNormSm90(dim, delta, slots, write_residual)
+        fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
+        return cute.compile(kern, *fake, Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
+                            Float32(1e-6), cuda.CUstream(0), **opts)
+    if dump_dir is not None:
+        return build(options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
     with _lock:
         fn = _compiled.get(key)
         if fn is None:
-            kern = AddRmsNormSm90(dim, delta, slots, write_residual)
-            fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
-            fn = cute.compile(kern, *fake, Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
-                              Float32(1e-6), cuda.CUstream(0))
-            _compiled[key] = fn
+            fn = _compiled[key] = build()
     return fn
 
 
