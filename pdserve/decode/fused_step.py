@@ -7,7 +7,8 @@ forward (the oracle) still reads the same values.
   - KDA: q, k, v, f_a, g_a, b_proj as one [3HD + 2D + H, hidden] weight (one GEMM); f_b and
     g_b stacked [2, HD, D] (one batched GEMM); then the fused KDA op (conv, gates, delta rule,
     gated norm) and o_proj.
-  - MLA: q_proj and kv_a as one weight; W_UK / W_UV split out of kv_b_proj once, in bf16.
+  - MLA: q_proj and kv_a as one weight, the new latent row normalized straight into the paged
+    cache (latent_store); W_UK / W_UV split out of kv_b_proj once, in bf16.
   - MoE: experts stacked as w13 [G, 2I, hidden] (gate rows then up rows) and w2 [G, hidden, I],
     the shared expert as group G-1 = E; the router op lays out the (token, expert) pairs by
     expert, and the experts some token chose are read once: by the moe_experts kernel at small
@@ -24,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import registry
-from pdserve.kernels import kda_decode, mla_decode, moe_experts, moe_route, rmsnorm
+from pdserve.kernels import (kda_decode, latent_store, mla_decode, moe_experts, moe_route,
+                             rmsnorm)
 from pdserve.model.batch import DecodeBatch
-from pdserve.model.mla import _store_decode_rows
 from pdserve.model.model import HybridModel, NotSupportedYet
 from pdserve.state.pools import StatePools
 
@@ -59,6 +60,9 @@ class _Ops:
         loop, not capturable) would serve: the caller then runs the grouped GEMMs."""
         res = registry.resolve(moe_experts.OP, self.backend, moe_experts.moe_experts_problem(*args))
         return None if res.backend == registry.REFERENCE else res.impl(*args)
+
+    def store(self, *args):
+        return self._run(latent_store.OP, latent_store.latent_store_problem, *args)
 
     def kda(self, *args):
         return self._run(kda_decode.OP, kda_decode.kda_decode_problem, *args)
@@ -136,12 +140,9 @@ class _Mla:
         y = h @ self.w_in.t()
         B = y.shape[0]
         q = y[:, :self.Hq].view(B, a.heads, nope + a.rope)
-        kv = y[:, self.Hq:]
-        row = torch.empty(B, kv.shape[1], dtype=h.dtype, device=h.device)
-        self.ops.norm(kv[:, :R], None, a.kv_a_layernorm.weight, a.kv_a_layernorm.eps,
-                      row[:, :R])
-        row[:, R:] = kv[:, R:]
-        _store_decode_rows(pool, idx, batch, row)
+        self.ops.store(y[:, self.Hq:], a.kv_a_layernorm.weight, a.kv_a_layernorm.eps,
+                       pool.data[idx], batch.new_page, batch.new_row,
+                       pool.scale if pool.is_fp8 else None)
         q_abs = torch.empty(B, a.heads, R + a.rope, dtype=h.dtype, device=h.device)
         q_abs[:, :, :R] = torch.bmm(q[:, :, :nope].transpose(0, 1), self.w_uk).transpose(0, 1)
         q_abs[:, :, R:] = q[:, :, nope:]

@@ -19,6 +19,7 @@ from pdserve.decode.fused_step import FusedDecodeStep
 from pdserve.decode.graphs import DecodeGraphs
 from pdserve.decode.rank import kda_step_for, mla_step_for
 from pdserve.kernels import registry
+from pdserve.kernels.latent_store import latent_store_cutedsl, latent_store_reference
 from pdserve.kernels.moe_experts import moe_experts_cutedsl, moe_experts_reference
 from pdserve.kernels.moe_route import moe_route_cutedsl, moe_route_reference
 from pdserve.kernels.rmsnorm import add_rmsnorm_cutedsl, add_rmsnorm_reference
@@ -102,6 +103,29 @@ def test_moe_experts_kernel(B, kind):
     assert not torch.isnan(r_got).any() and not torch.isnan(a_got).any()
     assert torch.allclose(a_got.float(), a_ref.float(), rtol=2e-2, atol=2e-2)
     assert torch.allclose(r_got.float(), r_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_latent_store_kernel():
+    """New rows land at their (page, row), normalized; padding rows (page 0) and every other
+    row of the cache stay bit-identical."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B = 6
+    kv_wide = torch.randn(B, 704, device="cuda", generator=g).to(torch.bfloat16)
+    kv = kv_wide[:, 3 * 8:3 * 8 + 576]                      # a strided, aligned view
+    w = (1 + 0.1 * torch.randn(512, device="cuda", generator=g)).to(torch.bfloat16)
+    base = torch.randn(9, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
+    page = torch.tensor([3, 0, 5, 5, 1, 0], device="cuda")
+    row = torch.tensor([0, 0, 7, 8, 63, 2], device="cuda")
+    want, got = base.clone(), base.clone()
+    latent_store_reference(kv, w, 1e-6, want, page, row)
+    latent_store_cutedsl(kv, w, 1e-6, got, page, row)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], base[0]), "padding rows wrote page 0"
+    untouched = torch.ones(9, 64, dtype=torch.bool, device="cuda")
+    untouched[page, row] = False
+    untouched[0] = True
+    assert torch.equal(got[untouched], base[untouched])
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("D", [2304, 512, 128])
@@ -205,7 +229,8 @@ def test_fused_step_against_the_model(name):
     assert sample_batch(got_logits[0], params, pos) == sample_batch(want_logits[0], params, pos)
     # the fused step ran its CuTe DSL ops: no fallback was logged for these
     refused = {op for op, backend, _ in registry.fallbacks() if backend == "cutedsl"}
-    assert not refused & {"moe_route", "moe_experts", "add_rmsnorm", "mla_decode"}, \
+    assert not refused & {"moe_route", "moe_experts", "add_rmsnorm", "mla_decode",
+                          "latent_store"}, \
         registry.fallbacks()
     # its CUDA graph replays the eager fused step
     restore()
