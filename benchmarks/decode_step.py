@@ -48,7 +48,7 @@ def kimi_config(layers: int):
 
 
 # -- pdserve ---------------------------------------------------------------------------------
-def build(layers: int, routing: str, seed: int = 0):
+def build(layers: int, seed: int = 0):
     import torch
     from pdserve.model.model import HybridModel
     from pdserve.model.weights import init_random
@@ -56,13 +56,20 @@ def build(layers: int, routing: str, seed: int = 0):
     with torch.device("cuda"):
         model = HybridModel(config, dtype=torch.bfloat16).eval()
     init_random(model, seed)
-    if routing == "concentrated":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                moe = getattr(layer, "block_sparse_moe", None)
-                if moe is not None:
-                    moe.gate.e_score_correction_bias.mul_(100.0)
     return config, model
+
+
+def set_routing(model, routing: str) -> None:
+    """Routing "concentrated": the correction bias x100 dominates the router's choice (vLLM's dummy
+    weights behave so); "random": the init's own bias. In place, so a captured graph sees it."""
+    scale = {"concentrated": 100.0, "random": 1.0}[routing]
+    for layer in model.model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is not None:
+            b = moe.gate.e_score_correction_bias
+            if not hasattr(b, "init_bias"):
+                b.init_bias = b.detach().clone()
+            b.data.copy_(b.init_bias * scale)
 
 
 def random_state(pools, seed: int = 1):
@@ -123,7 +130,7 @@ def breakdown(fused, batch_fn, B: int) -> dict:
     return out
 
 
-def run_pdserve(layers, batches, contexts, routing, steps, cuda_core_moe_max_batch):
+def run_pdserve(layers, batches, contexts, routings, steps, cuda_core_moe_max_batch):
     import torch
     from pdserve.decode.fused_step import FusedDecodeStep
     from pdserve.decode.graphs import DecodeGraphs
@@ -134,7 +141,7 @@ def run_pdserve(layers, batches, contexts, routing, steps, cuda_core_moe_max_bat
     from pdserve.state.pools import StatePools
 
     t0 = time.time()
-    config, model = build(layers, routing)
+    config, model = build(layers)
     layout = StateLayout(latent_dtype="bfloat16", recurrent_dtype="float32",
                          conv_dtype="bfloat16")
     Bmax, Lmax = max(batches), max(contexts) + steps + 64
@@ -143,7 +150,7 @@ def run_pdserve(layers, batches, contexts, routing, steps, cuda_core_moe_max_bat
                        device="cuda")
     random_state(pools)
     fused = FusedDecodeStep(model, pools, "cutedsl", cuda_core_moe_max_batch)
-    stage(f"{layers} layers, routing {routing}: built in {time.time() - t0:.0f} s")
+    stage(f"{layers} layers: built in {time.time() - t0:.0f} s")
 
     def tables_for(B, ctx):
         return [BlockTable([list(range(1 + i * pages_per, 1 + (i + 1) * pages_per))], 1 + i,
@@ -151,45 +158,49 @@ def run_pdserve(layers, batches, contexts, routing, steps, cuda_core_moe_max_bat
 
     rows = []
     state_per_req = (pools.slots.recurrent[:, 0].numel() * 4 + pools.slots.conv[:, 0].numel() * 2)
-    for ctx in contexts:
-        graphs = DecodeGraphs(model, pools, ctx + steps + 64, buckets=tuple(batches),
-                              forward=fused)
-        for B in batches:
-            tables = tables_for(B, ctx)
-            tokens = [(7 * i + 3) % config.vocab_size for i in range(B)]
-            for _ in range(3):
-                graphs.run(tables, tokens)[1].tolist()
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                graphs.run(tables, tokens)[1].tolist()
-                times.append((time.perf_counter() - t) * 1e3)
-            ms = statistics.median(times)
-            batch = DecodeBatch.of(tables, layout.page_tokens, "cuda")
-            ids = torch.tensor(tokens, device="cuda")
-            ks = profile_kernels(lambda: fused(ids, batch))
-            touched = experts_touched(fused, ids, batch)
-            wb = weight_bytes(model, config, touched)
-            latent = len(config.mla_layer_ids) * B * (ctx + 1) * pools.latent.width * 2
-            state = 2 * B * state_per_req
-            lm = model.lm_head.weight.numel() * 2
-            floor_bytes = wb["dense"] + wb["experts"] + state + latent
-            floor_ms = floor_bytes / (COPY_GBPS * 1e9) * 1e3
-            rows.append({"layers": layers, "batch": B, "context": ctx, "routing": routing,
-                         "moe": "cuda_cores" if B <= cuda_core_moe_max_batch else "grouped_gemm",
-                         "pdserve_ms": round(ms, 3), "tok_s_user": round(1e3 / ms, 1),
-                         "kernels_per_layer": round(len(ks) / layers, 1),
-                         "experts_touched_per_layer": round(touched, 1),
-                         "floor_ms": round(floor_ms, 3),
-                         "share_of_floor": round(floor_ms / ms, 3),
-                         "bytes": {"weights": wb["dense"], "experts": wb["experts"],
-                                   "lm_head": lm, "kda_state": state, "latent": latent}})
-            stage(f"  ctx {ctx} B {B}: {ms:.3f} ms, {len(ks) / layers:.1f} kernels/layer, "
-                  f"{touched:.0f} experts/layer, floor {floor_ms:.3f} ms")
-        del graphs
-        torch.cuda.empty_cache()
+    for routing in routings:
+        set_routing(model, routing)
+        for ctx in contexts:
+            graphs = DecodeGraphs(model, pools, ctx + steps + 64, buckets=tuple(batches),
+                                  forward=fused)
+            for B in batches:
+                tables = tables_for(B, ctx)
+                tokens = [(7 * i + 3) % config.vocab_size for i in range(B)]
+                for _ in range(3):
+                    graphs.run(tables, tokens)[1].tolist()
+                times = []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    graphs.run(tables, tokens)[1].tolist()
+                    times.append((time.perf_counter() - t) * 1e3)
+                ms = statistics.median(times)
+                batch = DecodeBatch.of(tables, layout.page_tokens, "cuda")
+                ids = torch.tensor(tokens, device="cuda")
+                ks = profile_kernels(lambda: fused(ids, batch))
+                touched = experts_touched(fused, ids, batch)
+                wb = weight_bytes(model, config, touched)
+                latent = len(config.mla_layer_ids) * B * (ctx + 1) * pools.latent.width * 2
+                state = 2 * B * state_per_req
+                lm = model.lm_head.weight.numel() * 2
+                floor_bytes = wb["dense"] + wb["experts"] + state + latent
+                floor_ms = floor_bytes / (COPY_GBPS * 1e9) * 1e3
+                rows.append({"layers": layers, "batch": B, "context": ctx, "routing": routing,
+                             "moe": ("cuda_cores" if B <= cuda_core_moe_max_batch
+                                     else "grouped_gemm"),
+                             "pdserve_ms": round(ms, 3), "tok_s_user": round(1e3 / ms, 1),
+                             "kernels_per_layer": round(len(ks) / layers, 1),
+                             "experts_touched_per_layer": round(touched, 1),
+                             "floor_ms": round(floor_ms, 3),
+                             "share_of_floor": round(floor_ms / ms, 3),
+                             "bytes": {"weights": wb["dense"], "experts": wb["experts"],
+                                       "lm_head": lm, "kda_state": state, "latent": latent}})
+                stage(f"  {routing} ctx {ctx} B {B}: {ms:.3f} ms, {len(ks) / layers:.1f} kernels/layer, "
+                      f"{touched:.0f} experts/layer, floor {floor_ms:.3f} ms")
+            del graphs
+            torch.cuda.empty_cache()
     bd = {}
-    if routing == "concentrated":
+    if "concentrated" in routings:
+        set_routing(model, "concentrated")
         bd = {f"B{B}": breakdown(fused, lambda n: DecodeBatch.of(
             tables_for(n, contexts[0]), layout.page_tokens, "cuda"), B)
             for B in (1, 32) if B <= Bmax}
@@ -320,14 +331,13 @@ def main() -> int:
         rows += [r for r in prev["rows"] if "vllm_ms" in r and "pdserve_ms" not in r]
     for layers in a.layers:
         if "pdserve" in a.what:
-            for routing in a.routing:
-                r, bd, fb = run_pdserve(layers, a.batches, a.contexts, routing, a.steps, moe_max)
-                rows += r
-                if bd:
-                    breakdowns[f"{layers}_layers"] = bd
-                fallbacks += fb
-                gc.collect()
-                torch.cuda.empty_cache()
+            r, bd, fb = run_pdserve(layers, a.batches, a.contexts, a.routing, a.steps, moe_max)
+            rows += r
+            if bd:
+                breakdowns[f"{layers}_layers"] = bd
+            fallbacks += fb
+            gc.collect()
+            torch.cuda.empty_cache()
         if "vllm" in a.what:
             v = run_vllm(layers, a.batches, a.contexts)
             vllm_version = v["vllm"]
