@@ -3,7 +3,10 @@ groups; or one per whole-instance engine (stock vLLM prefill).
 
 A rank actor hosts a `PrefillRank`, `DecodeRank` or `MonolithicRank`; TP ranks of an instance
 join one torch.distributed group (gloo on CPU, NCCL on GPU) and are packed together (STRICT_PACK).
-`RayRanks` drives an instance's actors in lockstep with a deadline on every call.
+`RayRanks` drives an instance's actors in lockstep with a deadline on every call. A rank actor
+runs calls one at a time in its default concurrency group, and admission calls (`RayRanks
+.admission`: allocate, receive, ...) in a group of their own, so a state transfer into a decode
+rank runs while the rank goes on stepping its batch.
 
 An engine actor hosts ONE object that is a whole prefill instance (`VllmPrefill`: vLLM spawns
 and drives its own TP workers), in a placement group of one bundle with all of the instance's
@@ -47,12 +50,17 @@ def remote_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+# A rank actor's concurrency group for admission calls; one at a time, as the batcher admits.
+ADMISSION = "admission"
+
+
 @functools.cache
-def _remote(cls):
-    """`ray.remote(cls)`, made once on first use (Ray is imported only here)."""
+def _remote(cls, groups: tuple[tuple[str, int], ...] = ()):
+    """`ray.remote(cls)` with these concurrency groups, made once on first use (Ray is imported
+    only here)."""
     import ray
 
-    return ray.remote(cls)
+    return ray.remote(concurrency_groups=dict(groups))(cls) if groups else ray.remote(cls)
 
 
 def _node_ip() -> str:
@@ -104,7 +112,7 @@ class RankHost:
 
 
 def RankActor():
-    return _remote(RankHost)
+    return _remote(RankHost, ((ADMISSION, 1),))
 
 
 def engine_factory(path: str) -> Callable:
@@ -168,8 +176,9 @@ class RayRanks:
     actor surfaces as `InstanceLost` naming the instance, and an exception a rank raised is
     raised here as itself (its type and fields, not Ray's wrapper)."""
 
-    def __init__(self, name: str, actors: list, timeout_s: float):
-        self.name, self.actors, self.timeout_s = name, actors, timeout_s
+    def __init__(self, name: str, actors: list, timeout_s: float, group: str | None = None):
+        """`group`: the actors' concurrency group the calls run in (None: the default one)."""
+        self.name, self.actors, self.timeout_s, self.group = name, actors, timeout_s, group
         self.size = len(actors)
         # Ray runs one submitter's calls to an actor in submission order. Submitting a call to
         # every rank under one lock keeps that order the same on all ranks when threads (a
@@ -178,20 +187,32 @@ class RayRanks:
         # one request, and the manifest carries rank 0's (seen as wrong tokens from TP2 prefill).
         self._submit = threading.Lock()
 
+    @functools.cached_property
+    def admission(self) -> RayRanks:
+        """The same actors, called in their admission concurrency group (rank actors only)."""
+        view = RayRanks(self.name, self.actors, self.timeout_s, ADMISSION)
+        view._submit = self._submit  # one submission order per group, on every rank
+        return view
+
+    def _method(self, actor):
+        return actor.call if self.group is None else actor.call.options(
+            concurrency_group=self.group)
+
     def call(self, method: str, *args) -> list:
         with self._submit:
-            refs = [a.call.remote(method, *args) for a in self.actors]
+            refs = [self._method(a).remote(method, *args) for a in self.actors]
         return self._get(refs, method)
 
     def call_each(self, method: str, args: list[tuple]) -> list:
         with self._submit:
-            refs = [a.call.remote(method, *x) for a, x in zip(self.actors, args, strict=True)]
+            refs = [self._method(a).remote(method, *x)
+                    for a, x in zip(self.actors, args, strict=True)]
         return self._get(refs, method)
 
     def call_one(self, rank: int, method: str, *args):
         """`method` on one rank only (same deadline and errors as `call`)."""
         with self._submit:
-            ref = self.actors[rank].call.remote(method, *args)
+            ref = self._method(self.actors[rank]).remote(method, *args)
         return self._get([ref], method)[0]
 
     def _get(self, refs, method: str) -> list:

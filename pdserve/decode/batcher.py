@@ -1,11 +1,19 @@
 """Continuous batching over any step engine, with per-request async token streams.
 
-One step thread owns the engine: every iteration it admits queued requests (up to `max_batch`
-running), runs the first step of the new ones (`engine.prefill`: a local prefill, or nothing when
-the first token arrived with transferred state), then one decode step for every running request,
-and releases finished or cancelled ones at once. Tokens reach each caller's asyncio queue through
-`call_soon_threadsafe`. A request that cannot be admitted (pools full, transfer failed, bad
-input) ends with an error event; running requests are never touched by another's failure.
+Two threads share the engine. The admission thread takes queued requests one at a time, while
+fewer than `max_batch` are held, and runs `engine.admit` (allocate, and for a decode instance the
+whole state transfer) beside the steps. The step thread never waits for it: between steps it takes
+whatever finished admission, runs the first step of those (`engine.prefill`: a local prefill, or
+nothing when the first token arrived with transferred state), then one decode step for every
+running request, and releases finished or cancelled ones at once. So a running stream never waits
+for another request's transfer (the vLLM KV connector's shape: start the load, pick up finished
+loads between steps). The engine must therefore take `admit` concurrently with `decode`,
+`prefill` and `release` of other requests.
+
+Tokens reach each caller's asyncio queue through `call_soon_threadsafe`. A request that cannot be
+admitted (pools full, transfer failed, bad input) ends with an error event; running requests are
+never touched by another's failure. A request cancelled, or past its deadline, while its admission
+runs is released when the admission returns, so whatever it took is freed on both sides.
 
 An error event carries the exception itself (`TokenEvent.exc`) beside its message, so whoever
 reads the stream (the router, the HTTP layer) decides on its type, never on its text. The
@@ -75,6 +83,7 @@ class _Job:
     sent: int = 0
     cancelled: bool = False
     done: bool = field(default=False)
+    taken: bool = False             # taken for admission: holds a place in the batch until done
 
     def emit(self, ev: TokenEvent) -> None:
         """Deliver an event; a consumer that is gone (closed loop) cancels the request."""
@@ -91,19 +100,26 @@ class Batcher:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.idle_wait_s = idle_wait_s
-        self._queue: deque[_Job] = deque()
-        self._running: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._admittable = threading.Condition(self._lock)  # admission thread: queue or room
+        self._joinable = threading.Condition(self._lock)    # step thread: an admission finished
+        self._queue: deque[_Job] = deque()     # waiting for admission
+        self._admitted: deque[_Job] = deque()  # admitted, joining at the next step
+        self._held = 0                         # taken for admission and not finished
+        self._running: dict[str, _Job] = {}    # step thread only
         self._jobs: dict[str, _Job] = {}
-        self._cv = threading.Condition()
         self._stop = False
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="pdserve-batcher", daemon=True)
+        self._admitter = threading.Thread(target=self._admit_loop, name="pdserve-admission",
+                                          daemon=True)
         self._thread.start()
+        self._admitter.start()
 
     # -- caller side (any thread / asyncio loop) --------------------------------------------
     def submit(self, request: Any, request_id: str, emit, deadline_s: float | None = None) -> None:
         """Queue a request; `emit(TokenEvent)` is called from the step thread."""
-        with self._cv:
+        with self._lock:
             if self._stop:
                 raise RuntimeError("batcher is shut down")
             if request_id in self._jobs:
@@ -115,7 +131,7 @@ class Batcher:
                        None if deadline_s is None else time.monotonic() + deadline_s)
             self._jobs[request_id] = job
             self._queue.append(job)
-            self._cv.notify()
+            self._admittable.notify()
 
     async def stream(self, request: Any, request_id: str,
                      deadline_s: float | None = None) -> AsyncIterator[TokenEvent]:
@@ -137,29 +153,31 @@ class Batcher:
                 self.cancel(request_id)
 
     def cancel(self, request_id: str) -> bool:
-        with self._cv:
+        with self._lock:
             job = self._jobs.get(request_id)
             if job is None:
                 return False
             job.cancelled = True
-            self._cv.notify()
             return True
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Requests not running yet: waiting for admission, or being admitted."""
+        return len(self._queue) + self._held - len(self._running)
 
     @property
     def running(self) -> int:
         return len(self._running)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cv:
+        with self._lock:
             self._stop = True
-            self._cv.notify()
+            self._admittable.notify_all()
+            self._joinable.notify_all()
         self._thread.join(timeout)
+        self._admitter.join(timeout)
 
-    # -- step thread ------------------------------------------------------------------------
+    # -- both threads (a job belongs to the admission thread until it is handed over) --------
     def _finish(self, job: _Job, reason: str, error: str | None = None,
                 exc: BaseException | None = None) -> None:
         if job.done:
@@ -170,11 +188,54 @@ class Batcher:
                 self.engine.release(job.seq)
             except Exception:  # never let a release failure take the loop down
                 log.exception("releasing %s failed", job.request_id)
-        self._running.pop(job.request_id, None)
-        with self._cv:
-            self._jobs.pop(job.request_id, None)
+        self._drop(job)
         job.emit(TokenEvent(job.request_id, None, job.sent, reason, error, exc))
 
+    def _drop(self, job: _Job) -> None:
+        """Forget a finished job; its place in the batch goes back to admission."""
+        self._running.pop(job.request_id, None)
+        with self._lock:
+            self._jobs.pop(job.request_id, None)
+            if job.taken:
+                self._held -= 1
+                self._admittable.notify()
+
+    def _expired(self, job: _Job, now: float) -> bool:
+        if job.deadline is None or now <= job.deadline:
+            return False
+        self._finish(job, "error", "deadline exceeded", DeadlineExceeded(
+            f"request {job.request_id}: deadline exceeded"))
+        return True
+
+    # -- admission thread -------------------------------------------------------------------
+    def _admit_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not (self._queue and self._held < self.max_batch):
+                    self._admittable.wait()
+                if self._stop:
+                    return
+                job = self._queue.popleft()
+                job.taken = True
+                self._held += 1
+            if job.cancelled:
+                self._finish(job, "cancelled")
+                continue
+            if self._expired(job, time.monotonic()):
+                continue
+            try:
+                job.seq = self.engine.admit(job.request)
+            except Exception as exc:
+                self._finish(job, "error", f"{type(exc).__name__}: {exc}", exc)
+                continue
+            with self._lock:
+                if not self._stop:
+                    self._admitted.append(job)
+                    self._joinable.notify()
+                    continue
+            self._finish(job, "error", "server shutting down")
+
+    # -- step thread ------------------------------------------------------------------------
     def _flush(self, job: _Job) -> None:
         """Emit tokens produced since the last flush; the last one carries the finish reason.
         A finished request's state is released before its final event, so a caller that sees
@@ -185,48 +246,29 @@ class Batcher:
             try:
                 self.engine.release(job.seq)
             finally:
-                self._running.pop(job.request_id, None)
-                with self._cv:
-                    self._jobs.pop(job.request_id, None)
+                self._drop(job)
         while job.sent < len(out):
             last = job.sent == len(out) - 1
             job.emit(TokenEvent(job.request_id, out[job.sent], job.sent, reason if last else None))
             job.sent += 1
 
-    def _admit(self) -> list[_Job]:
-        new = []
-        while len(self._running) + len(new) < self.max_batch:
-            with self._cv:
-                if not self._queue:
-                    break
-                job = self._queue.popleft()
-            if job.cancelled:
-                self._finish(job, "cancelled")
-                continue
-            try:
-                job.seq = self.engine.admit(job.request)
-            except Exception as exc:
-                self._finish(job, "error", f"{type(exc).__name__}: {exc}", exc)
-                continue
-            new.append(job)
-        return new
-
     def _loop(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 if self._stop:
                     break
-                if not self._queue and not self._running:
-                    self._cv.wait(self.idle_wait_s)
+                if not self._running and not self._admitted:
+                    self._joinable.wait(self.idle_wait_s)
                     continue
+                joining = list(self._admitted)
+                self._admitted.clear()
             now = time.monotonic()
-            for job in list(self._running.values()):
+            for job in list(self._running.values()) + joining:
                 if job.cancelled:
                     self._finish(job, "cancelled")
-                elif job.deadline is not None and now > job.deadline:
-                    self._finish(job, "error", "deadline exceeded", DeadlineExceeded(
-                        f"request {job.request_id}: deadline exceeded"))
-            new = self._admit()
+                else:
+                    self._expired(job, now)
+            new = [j for j in joining if not j.done]
             try:
                 if new:
                     self.engine.prefill([j.seq for j in new])
@@ -243,5 +285,9 @@ class Batcher:
                 log.exception("step failed")
                 for j in list(self._running.values()) + new:
                     self._finish(j, "error", f"step failed: {type(exc).__name__}: {exc}", exc)
-        for job in list(self._running.values()) + list(self._queue):
+        with self._lock:  # the admission thread hands nothing over once _stop is set
+            left = list(self._admitted) + list(self._queue)
+            self._admitted.clear()
+            self._queue.clear()
+        for job in list(self._running.values()) + left:
             self._finish(job, "error", "server shutting down")

@@ -3,7 +3,10 @@
 `DecodeInstance` is a step engine for `Batcher`: `admit` pulls a request's state from its prefill
 instance into every rank (allocate -> plan -> READ -> verify -> notify), the first token comes
 with the handle, `decode` runs one TP-sharded step for the batch, each request sampled on the
-ranks with its own seeded generator, `release` frees the request on every rank at once.
+ranks with its own seeded generator, `release` frees the request on every rank at once. The
+batcher admits in its own thread while the batch steps, so `admit` makes its rank calls through
+`ranks.admission`: calls that run beside the ranks' steps, not queued behind them (a Ray rank
+actor's admission concurrency group).
 
 `MonolithicInstance` is the same step engine over ranks that also prefill (`MonolithicRank`):
 `admit` reserves the request's state on every rank and `prefill` computes its first token there;
@@ -15,6 +18,7 @@ no transfer. It is the baseline that measures what disaggregation costs.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Protocol
 
 from pdserve.decode.batcher import BadRequest
@@ -34,6 +38,7 @@ DigestSource = Callable[[StateHandle, int, list], list[int]]
 
 class RankGroup(Protocol):
     size: int
+    admission: "RankGroup"  # the same ranks, called beside their steps (see DecodeInstance)
 
     def call(self, method: str, *args) -> list: ...             # same args on every rank
 
@@ -48,6 +53,8 @@ class LocalRanks:
             raise ValueError(f"LocalRanks runs one rank in-process, got {len(ranks)}; use a "
                              "process (Ray actor) per rank for TP > 1")
         self.ranks, self.size = ranks, 1
+        # in-process calls from another thread already run beside the steps
+        self.admission = self
 
     def call(self, method: str, *args) -> list:
         return [getattr(r, method)(*args) for r in self.ranks]
@@ -99,6 +106,7 @@ class DecodeInstance(RankEngine):
                              f"(got dcp={self.topology.dcp}); DCP transfers are")
         self.digests = digests
         self.transfers = 0
+        self.loads = ranks.admission  # every call of `admit`: none waits behind a step
         # (source instance, rank) -> the agent generation every rank of this instance knows
         self._peers: dict[tuple[str, int], int] = {}
 
@@ -118,10 +126,10 @@ class DecodeInstance(RankEngine):
                                [p[1] for p in parts], [p[2] for p in parts])
         try:
             digests = self._digests(handle, alloc) if self.digests else [None] * self.ranks.size
-            self.ranks.call_each("receive", [(manifest, alloc, handle.instance, d,
+            self.loads.call_each("receive", [(manifest, alloc, handle.instance, d,
                                               handle.request_id, handle.params) for d in digests])
         except Exception as exc:
-            self.ranks.call("abandon", manifest, alloc, handle.instance, handle.request_id)
+            self.loads.call("abandon", manifest, alloc, handle.instance, handle.request_id)
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"request {handle.request_id}: {type(exc).__name__}: {exc}") from exc
@@ -138,16 +146,16 @@ class DecodeInstance(RankEngine):
         which evict the old agent or refuse the stale one."""
         if all(self._peers.get((a.instance, a.rank)) == a.generation for a in agents):
             return
-        self.ranks.call("connect", agents)
+        self.loads.call("connect", agents)
         self._peers.update({(a.instance, a.rank): a.generation for a in agents})
 
     def _allocate(self, handle: StateHandle) -> list:
         """Allocate on every rank; if any rank is full, give back what the others took."""
         extra = handle.params.max_tokens
-        parts = self.ranks.call("allocate", handle.manifest, self.topology, extra)
+        parts = self.loads.call("allocate", handle.manifest, self.topology, extra)
         if all(p is not None for p in parts):
             return parts
-        self.ranks.call_each("unallocate", [(p,) for p in parts])
+        self.loads.call_each("unallocate", [(p,) for p in parts])
         raise PoolExhausted(f"decode instance {self.name}: no room for request "
                             f"{handle.request_id} ({handle.manifest.num_tokens} cached + {extra} "
                             "new tokens); running requests are unaffected")
@@ -172,6 +180,7 @@ class MonolithicInstance(RankEngine):
         super().__init__(name, ranks, eos)
         self.idle_threads = idle_threads
         self.held = 0  # admitted and not yet released
+        self._held_lock = threading.Lock()  # admit and release run in different threads
 
     def admit(self, request: Request) -> Sequence:
         # One seed for every rank (each samples the same rows) and for the request's lifetime.
@@ -189,7 +198,8 @@ class MonolithicInstance(RankEngine):
                 # outside the vocabulary), not the instance's
                 raise BadRequest(f"{self.name}: {exc}") from exc
             raise
-        self.held += 1
+        with self._held_lock:
+            self.held += 1
         return Sequence(request.request_id, list(request.prompt), request.params,
                         BlockTable([[]], slot, [], 0))
 
@@ -201,5 +211,6 @@ class MonolithicInstance(RankEngine):
             s.append(t, self.eos)
 
     def release(self, seq: Sequence) -> None:
-        self.held -= 1
+        with self._held_lock:
+            self.held -= 1
         super().release(seq)

@@ -117,7 +117,11 @@ class ReferenceEngine:
                                 f"{1 + n_ckpt} KDA slots; {self.pools.latent.num_free} pages and "
                                 f"{self.pools.slots.num_free} slots free")
         pages = self.pools.latent.allocate(need)
-        slot = self.pools.slots.allocate(1)[0]
+        try:  # the check above can race a prefill's checkpoint slot taken in another thread
+            slot = self.pools.slots.allocate(1)[0]
+        except PoolExhausted:
+            self.pools.latent.free(pages)
+            raise
         return Sequence(request_id, list(prompt), params.with_seed(),
                         BlockTable(latent_pages=[pages], kda_slot=slot))
 

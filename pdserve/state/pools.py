@@ -7,6 +7,8 @@ pool unchanged.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -20,7 +22,9 @@ class PoolExhausted(RuntimeError):
 
 
 class _FreeList:
-    """Ids 1..n-1; id 0 is reserved padding. Lowest ids first, so allocation is deterministic."""
+    """Ids 1..n-1; id 0 is reserved padding. Lowest ids first, so allocation is deterministic.
+    Thread-safe: a decode rank admits (allocates) in one thread while it steps and releases
+    (frees) in another."""
 
     def __init__(self, n: int, what: str):
         if n < 2:
@@ -29,18 +33,24 @@ class _FreeList:
         self.what = what
         self._free = list(range(n - 1, 0, -1))  # pop() from the end yields 1, 2, ...
         self._used: set[int] = set()
+        self._lock = threading.Lock()
 
     def take(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise PoolExhausted(f"{self.what} pool exhausted: asked for {count}, "
-                                f"{len(self._free)} of {self.capacity} free")
-        ids = [self._free.pop() for _ in range(count)]
-        self._used.update(ids)
-        return ids
+        with self._lock:
+            if count > len(self._free):
+                raise PoolExhausted(f"{self.what} pool exhausted: asked for {count}, "
+                                    f"{len(self._free)} of {self.capacity} free")
+            ids = [self._free.pop() for _ in range(count)]
+            self._used.update(ids)
+            return ids
 
     def take_run(self, count: int) -> list[int] | None:
         """The lowest run of `count` consecutive free ids, or None when fragmentation leaves
         none that long (nothing is taken then)."""
+        with self._lock:
+            return self._take_run(count)
+
+    def _take_run(self, count: int) -> list[int] | None:
         ascending = np.asarray(self._free[::-1], dtype=np.int64)
         if count < 1 or count > len(ascending):
             return None
@@ -56,13 +66,14 @@ class _FreeList:
         return ids
 
     def give(self, ids: list[int]) -> None:
-        bad = [i for i in ids if i not in self._used]
-        if bad:
-            raise ValueError(f"{self.what} ids {bad} are not allocated (double free?)")
-        for i in ids:
-            self._used.discard(i)
-            self._free.append(i)
-        self._free.sort(reverse=True)
+        with self._lock:
+            bad = [i for i in ids if i not in self._used]
+            if bad:
+                raise ValueError(f"{self.what} ids {bad} are not allocated (double free?)")
+            for i in ids:
+                self._used.discard(i)
+                self._free.append(i)
+            self._free.sort(reverse=True)
 
     @property
     def num_free(self) -> int:
