@@ -1,4 +1,4 @@
-"""The fused decode step's CuTe DSL kernels (add_rmsnorm, moe_route, moe_experts, latent_store) compile to
+"""The fused decode step's CuTe DSL kernels (add_rmsnorm, moe_route, latent_store) compile to
 sm_90a cubins on the CPU (CUTE_DSL_ARCH=sm_90a), at the Kimi-Linear shapes and the tiny ones
 the tests use, with no register spills."""
 import os
@@ -9,7 +9,6 @@ import pytest
 
 from pdserve.kernels.kda_decode.cutedsl import cubin_resources
 from pdserve.kernels.latent_store import cutedsl as store
-from pdserve.kernels.moe_experts import cutedsl as experts
 from pdserve.kernels.moe_route import cutedsl as route
 from pdserve.kernels.rmsnorm import cutedsl as norm
 from test_kda_decode_compile import cubin_sm
@@ -34,12 +33,6 @@ def test_add_rmsnorm_compiles(dim, delta, slots, write, tmp_path):
 def test_moe_route_compiles(experts_, top_k, shared, bias, tmp_path):
     _check(route.compile_variant(experts_, top_k, shared, True, 2.446, bias,
                                  dump_dir=str(tmp_path)))
-
-
-@pytest.mark.parametrize("stage", ["gate_up", "down"])
-@pytest.mark.parametrize("hidden,inter", [(2304, 1024), (128, 64)])
-def test_moe_experts_compiles(stage, hidden, inter, tmp_path):
-    _check(experts.compile_stage(stage, hidden, inter, dump_dir=str(tmp_path)))
 
 
 def test_latent_store_compiles(tmp_path):

@@ -2,10 +2,9 @@
 
     impl(logits [B, E] fp32, bias [E] fp32 | None, top_k, groups, topk_group, func,
          renormalize, scaling, shared (0 | 1), pair_token [P] int32, pair_weight [P] fp32,
-         token_pair [B, S] int32, group_end [E + shared] int32, run_expert [R] int32,
-         run_start [R + 1] int32) -> the six outputs
+         token_pair [B, S] int32, group_end [E + shared] int32) -> the four outputs
 
-P = B * S, S = top_k + shared, R = min(E, B * top_k) + shared. The layout (pairs by expert then token, the shared expert as
+P = B * S, S = top_k + shared. The layout (pairs by expert then token, the shared expert as
 the last group) is what the grouped expert GEMMs and the combine in `add_rmsnorm` read; see
 reference.py.
 """
@@ -23,18 +22,16 @@ MAX_TOKENS = 64   # tokens per step the one-CTA kernel holds in shared memory
 
 
 def moe_route_problem(logits, bias, top_k, groups, topk_group, func, renormalize, scaling,
-                      shared, pair_token, pair_weight, token_pair, group_end, run_expert,
-                      run_start) -> dict[str, Any]:
+                      shared, pair_token, pair_weight, token_pair, group_end) -> dict[str, Any]:
     dev = logits.device
-    outs = (pair_token, pair_weight, token_pair, group_end, run_expert, run_start)
+    outs = (pair_token, pair_weight, token_pair, group_end)
     return {
         "device_type": dev.type,
         "capability": torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None,
         "batch": logits.shape[0], "experts": logits.shape[1], "top_k": top_k,
         "groups": groups, "func": func, "shared": shared,
         "dtypes": (logits.dtype, None if bias is None else bias.dtype, pair_token.dtype,
-                   pair_weight.dtype, token_pair.dtype, group_end.dtype, run_expert.dtype,
-                   run_start.dtype),
+                   pair_weight.dtype, token_pair.dtype, group_end.dtype),
         "contiguous": logits.is_contiguous() and all(t.is_contiguous() for t in outs),
     }
 
@@ -56,7 +53,7 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
         return f"router function {p['func']!r}: the kernel has sigmoid only"
     if p["shared"] not in (0, 1):
         return f"shared must be 0 or 1, got {p['shared']}"
-    want = (torch.float32, torch.float32, torch.int32, torch.float32) + (torch.int32,) * 4
+    want = (torch.float32, torch.float32, torch.int32, torch.float32, torch.int32, torch.int32)
     if tuple(d if d is not None else torch.float32 for d in p["dtypes"]) != want:
         return f"dtypes must be fp32 logits/bias/weights and int32 indices, got {p['dtypes']}"
     if not p["contiguous"]:

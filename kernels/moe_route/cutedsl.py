@@ -8,12 +8,10 @@ Replaces the ~20 small torch kernels of the reference with one: at decode batch 
      unbiased scores, keeps ids and weights in shared memory and sets token t's bit in each
      chosen expert's 64-bit token mask (shared-memory atomics).
   2. thread e counts its expert's pairs (popcounts) and one block scan (warp shuffles, then
-     the warps' totals) gives every expert its first pair and its run (groups with pairs,
-     compacted): group_end, run_expert, run_start.
+     the warps' totals) gives every expert its first pair and group_end.
   3. back per token: the lane of slot r finds its pair as its expert's start plus the tokens
      below t in that expert's mask, and writes the pair and token_pair.
-The shared expert (group E) gets token t's pair at B*k + t and the run after the last routed
-one. The layout is deterministic. Compile-time: E, top_k, shared, renormalize, scaling, bias;
+The shared expert (group E) gets token t's pair at B*k + t. The layout is deterministic. Compile-time: E, top_k, shared, renormalize, scaling, bias;
 B is run-time.
 """
 from __future__ import annotations
@@ -51,14 +49,14 @@ class MoeRouteSm90:
     @cute.jit
     def __call__(self, logits: cute.Pointer, bias: cute.Pointer, pair_token: cute.Pointer,
                  pair_weight: cute.Pointer, token_pair: cute.Pointer, group_end: cute.Pointer,
-                 run_expert: cute.Pointer, run_start: cute.Pointer, B: Int32, stream):
-        self.kernel(logits, bias, pair_token, pair_weight, token_pair, group_end, run_expert,
-                    run_start, B).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+                 B: Int32, stream):
+        self.kernel(logits, bias, pair_token, pair_weight, token_pair, group_end, B).launch(
+            grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, logits: cute.Pointer, bias: cute.Pointer, pair_token: cute.Pointer,
                pair_weight: cute.Pointer, token_pair: cute.Pointer, group_end: cute.Pointer,
-               run_expert: cute.Pointer, run_start: cute.Pointer, B: Int32):
+               B: Int32):
         E, K, S, EPL = self.E, self.K, self.S, self.EPL
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % WARP
@@ -75,11 +73,7 @@ class MoeRouteSm90:
         mPairWeight = cute.make_tensor(pair_weight, cute.make_layout(MAX_TOKENS * S))
         mTokenPair = cute.make_tensor(token_pair, cute.make_layout(MAX_TOKENS * S))
         mGroupEnd = cute.make_tensor(group_end, cute.make_layout(E + 1))
-        mRunExpert = cute.make_tensor(run_expert, cute.make_layout(E + 1))
-        mRunStart = cute.make_tensor(run_start, cute.make_layout(E + 2))
         n = B * K
-        P = n + B * self.shared
-        R = cutlass.min(Int32(E), n) + self.shared
 
         for i in range(tidx, 2 * E, THREADS):
             sMask[i] = Int32(0)
@@ -132,14 +126,11 @@ class MoeRouteSm90:
                 sW[t * K + lane] = w * self.scaling
         cute.arch.sync_threads()
 
-        # 2. counts -> starts and runs: one block scan of (run flag << 16 | count)
+        # 2. counts -> starts: one block scan
         cnt = Int32(0)
         if tidx < E:
             cnt = cute.arch.popc(sMask[2 * tidx]) + cute.arch.popc(sMask[2 * tidx + 1])
-        packed = cnt
-        if cnt > 0:
-            packed = packed + (Int32(1) << 16)
-        incl = packed
+        incl = cnt
         for off in cutlass.range_constexpr(5):
             up = cute.arch.shuffle_sync_up(incl, offset=1 << off)
             if lane >= (1 << off):
@@ -152,26 +143,12 @@ class MoeRouteSm90:
             if w < warp:
                 before = before + sWarp[w]
         incl = incl + before
-        excl = incl - packed
         if tidx < E:
-            start = excl & 0xFFFF
-            sStart[tidx] = start
-            mGroupEnd[tidx] = incl & 0xFFFF
-            if cnt > 0:
-                mRunExpert[excl >> 16] = tidx
-                mRunStart[excl >> 16] = start
-        # the runs past the routed ones: the shared expert's, then empty ones
-        if tidx == E - 1:
-            used = incl >> 16
-            if cutlass.const_expr(self.shared > 0):
-                mGroupEnd[E] = P
-                mRunExpert[used] = E
-                mRunStart[used] = n
-                used = used + 1
-            for r in range(used, R):
-                mRunExpert[r] = 0
-                mRunStart[r] = P
-            mRunStart[R] = P
+            sStart[tidx] = incl - cnt
+            mGroupEnd[tidx] = incl
+        if cutlass.const_expr(self.shared > 0):
+            if tidx == 0:
+                mGroupEnd[E] = n + B
         cute.arch.sync_threads()
 
         # 3. each token's pairs: its expert's start + the tokens below it in the mask
@@ -205,8 +182,7 @@ def _ptr(dtype, addr: int, align: int):
     return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
-_SPECS = ((Float32, 4), (Float32, 4), (Int32, 4), (Float32, 4), (Int32, 4), (Int32, 4),
-          (Int32, 4), (Int32, 4))
+_SPECS = ((Float32, 4), (Float32, 4), (Int32, 4), (Float32, 4), (Int32, 4), (Int32, 4))
 
 
 def compile_variant(experts: int, top_k: int, shared: int, renormalize: bool, scaling: float,
@@ -229,14 +205,14 @@ def compile_variant(experts: int, top_k: int, shared: int, renormalize: bool, sc
 
 
 def launch(logits, bias, top_k, groups, topk_group, func, renormalize, scaling, shared,
-           pair_token, pair_weight, token_pair, group_end, run_expert, run_start):
+           pair_token, pair_weight, token_pair, group_end):
     """The kernel on the current torch stream (arguments validated by the guard)."""
     import cuda.bindings.driver as cuda
     import torch
     B, E = logits.shape
     fn = compile_variant(E, top_k, shared, renormalize, scaling, bias is not None)
     tensors = (logits, bias if bias is not None else logits, pair_token, pair_weight,
-               token_pair, group_end, run_expert, run_start)
+               token_pair, group_end)
     ptrs = [_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
     fn(*ptrs, Int32(B), cuda.CUstream(torch.cuda.current_stream(logits.device).cuda_stream))
-    return pair_token, pair_weight, token_pair, group_end, run_expert, run_start
+    return pair_token, pair_weight, token_pair, group_end

@@ -11,9 +11,9 @@ forward (the oracle) still reads the same values.
     cache (latent_store); W_UK / W_UV split out of kv_b_proj once, in bf16.
   - MoE: experts stacked as w13 [G, 2I, hidden] (gate rows then up rows) and w2 [G, hidden, I],
     the shared expert as group G-1 = E; the router op lays out the (token, expert) pairs by
-    expert, and the experts some token chose are read once: by the moe_experts kernel at small
-    batches, by two grouped GEMMs (torch's CUTLASS sm90 grouped GEMM) at larger ones. The
-    weighted combine of a token's pairs happens inside the next add_rmsnorm.
+    expert, and two grouped GEMMs (torch's CUTLASS sm90 grouped GEMM) read only the experts
+    some token chose. The weighted combine of a token's pairs happens inside the next
+    add_rmsnorm.
   - every residual add is fused with the RMSNorm after it; the LM head is a bf16 GEMM with
     fp32 output.
 A step is device ops only (no host sync), so `DecodeGraphs` captures it whole. Rebuild it after
@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import registry
-from pdserve.kernels import (kda_decode, latent_store, mla_decode, moe_experts, moe_route,
-                             rmsnorm)
+from pdserve.kernels import kda_decode, latent_store, mla_decode, moe_route, rmsnorm
 from pdserve.model.batch import DecodeBatch
 from pdserve.model.model import HybridModel, NotSupportedYet
 from pdserve.state.pools import StatePools
@@ -54,12 +53,6 @@ class _Ops:
 
     def route(self, *args):
         return self._run(moe_route.OP, moe_route.moe_route_problem, *args)
-
-    def experts(self, *args):
-        """The routed experts by the backend's kernel; None where only the reference (a host
-        loop, not capturable) would serve: the caller then runs the grouped GEMMs."""
-        res = registry.resolve(moe_experts.OP, self.backend, moe_experts.moe_experts_problem(*args))
-        return None if res.backend == registry.REFERENCE else res.impl(*args)
 
     def store(self, *args):
         return self._run(latent_store.OP, latent_store.latent_store_problem, *args)
@@ -165,9 +158,9 @@ class _Mlp:
 
 
 class _Moe:
-    def __init__(self, moe, ops: _Ops, cuda_core_max_batch: int):
+    def __init__(self, moe, ops: _Ops):
         c = moe.cfg
-        self.ops, self.cfg, self.cuda_core_max_batch = ops, c, cuda_core_max_batch
+        self.ops, self.cfg = ops, c
         experts = list(moe.experts)
         self.shared = int(hasattr(moe, "shared_experts"))
         if self.shared:
@@ -197,7 +190,6 @@ class _Moe:
         c, B = self.cfg, h.shape[0]
         k = c.num_experts_per_token
         S, P = k + self.shared, B * (k + self.shared)
-        R = min(self.E, B * k) + self.shared
         dev = h.device
         i32 = dict(dtype=torch.int32, device=dev)
         logits = _mm_f32(h, self.gate_w)
@@ -205,37 +197,21 @@ class _Moe:
                                                                      device=dev)
         token_pair = torch.empty(B, S, **i32)
         group_end = torch.empty(self.E + self.shared, **i32)
-        run_expert, run_start = torch.empty(R, **i32), torch.empty(R + 1, **i32)
         self.ops.route(logits, self.bias, k, c.num_expert_group, c.topk_group,
                        c.moe_router_activation_func, c.moe_renormalize,
                        c.routed_scaling_factor, self.shared, pair_token, pair_weight,
-                       token_pair, group_end, run_expert, run_start)
-        rows = None
-        if B <= self.cuda_core_max_batch:
-            act = torch.empty(P, self.inter, dtype=h.dtype, device=dev)
-            rows = self.ops.experts(h, self.w13, self.w2, pair_token, run_expert, run_start,
-                                    act, torch.empty(P, h.shape[1], dtype=h.dtype, device=dev))
-        if rows is None:
-            xs = h.index_select(0, pair_token)
-            gu = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=group_end)
-            act = F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
-            rows = torch._grouped_mm(act, self.w2.transpose(1, 2), offs=group_end)
+                       token_pair, group_end)
+        gu = torch._grouped_mm(h.index_select(0, pair_token), self.w13.transpose(1, 2),
+                               offs=group_end)
+        act = F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
+        rows = torch._grouped_mm(act, self.w2.transpose(1, 2), offs=group_end)
         return rows, token_pair, pair_weight
 
 
-# Batches up to this size run the routed experts on CUDA cores (moe_experts), larger ones as
-# grouped GEMMs on tensor cores; docs/kernels.md has the measurement behind it.
-CUDA_CORE_MOE_MAX_BATCH = 8
-
-
 class FusedDecodeStep:
-    """`step(ids, batch) -> fp32 logits [B, vocab]` for a `DecodeBatch`, with `backend`'s ops.
+    """`step(ids, batch) -> fp32 logits [B, vocab]` for a `DecodeBatch`, with `backend`'s ops."""
 
-    `cuda_core_moe_max_batch`: the largest batch whose routed experts run as the moe_experts
-    kernel (a weight stream on CUDA cores) rather than the grouped GEMMs."""
-
-    def __init__(self, model: HybridModel, pools: StatePools, backend: str,
-                 cuda_core_moe_max_batch: int = CUDA_CORE_MOE_MAX_BATCH):
+    def __init__(self, model: HybridModel, pools: StatePools, backend: str):
         if model.tp.size != 1:
             raise NotSupportedYet(f"fused decode step at TP={model.tp.size} (TP = 1 only)")
         if model.dtype != torch.bfloat16:
@@ -244,8 +220,7 @@ class FusedDecodeStep:
         self.layers = []
         for layer, idx in zip(model.model.layers, model.cache_index):
             attn = (_Kda if layer.is_kda else _Mla)(layer.self_attn, self.ops)
-            ffn = (_Moe(layer.block_sparse_moe, self.ops, cuda_core_moe_max_batch)
-                   if hasattr(layer, "block_sparse_moe")
+            ffn = (_Moe(layer.block_sparse_moe, self.ops) if hasattr(layer, "block_sparse_moe")
                    else _Mlp(layer.mlp))
             self.layers.append((layer, idx, attn, ffn))
 

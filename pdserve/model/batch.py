@@ -153,4 +153,5 @@ class DecodeBatch:
         pages = packed[:, 6:]
         return packed[:, 0], DecodeBatch(
             slots, pages, context, packed[:, 3] != 0, slots.to(torch.int32),
-            pages.to(torch.int32), (context + 1).to(torch.int32), packed[:, 4], packed[:, 5])
+            pages.to(torch.int32), (context + 1).to(torch.int32), packed[:, 4].contiguous(),
+            packed[:, 5].contiguous())
