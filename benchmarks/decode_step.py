@@ -21,7 +21,7 @@ timings of two output lengths (the prompt prefill cancels).
 
     python benchmarks/decode_step.py [--layers 8 27] [--batches 1 8 32 64]
         [--contexts 512 8192] [--routing concentrated random] [--what pdserve vllm]
-        [--vllm-json FILE ...] [--out DIR] [--name decode_step_h200] [--commit SHA]
+        [--merge FILE ...] [--out DIR] [--name decode_step_h200] [--commit SHA]
 """
 from __future__ import annotations
 
@@ -303,9 +303,10 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
     ap.add_argument("--routing", nargs="+", default=["concentrated", "random"],
                     choices=["concentrated", "random"])
-    ap.add_argument("--what", nargs="+", default=["pdserve", "vllm"], choices=["pdserve", "vllm"])
-    ap.add_argument("--vllm-json", nargs="*", default=[],
-                    help="vLLM rows of an earlier call of this session (this script's JSON)")
+    ap.add_argument("--what", nargs="*", default=["pdserve", "vllm"], choices=["pdserve", "vllm"],
+                    help="what to run here (none: only merge --merge files)")
+    ap.add_argument("--merge", nargs="*", default=[],
+                    help="rows of earlier calls of this script in the same device session")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default="decode_step_h200")
@@ -317,14 +318,22 @@ def main() -> int:
         vllm_child(a.vllm_child, a.batches, a.contexts, a.child_out)
         return 0
     import torch
-    if not torch.cuda.is_available():
+    if a.what and not torch.cuda.is_available():
         print("decode_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows, breakdowns, fallbacks, vllm_version = [], {}, [], None
-    for f in a.vllm_json:
-        prev = json.loads(Path(f).read_text())["figures"]
+    rows, breakdowns, fallbacks, vllm_version, env = [], {}, [], None, None
+    for f in a.merge:
+        prev = json.loads(Path(f).read_text())
+        env = env or prev["environment"]
+        prev = prev["figures"]
         vllm_version = prev.get("vllm_version") or vllm_version
-        rows += [r for r in prev["rows"] if "vllm_ms" in r and "pdserve_ms" not in r]
+        breakdowns.update(prev.get("breakdown", {}))
+        fallbacks += prev.get("fallbacks", [])
+        for r in prev["rows"]:
+            if "pdserve_ms" in r:
+                rows.append({k: v for k, v in r.items() if k not in ("vllm_ms", "speedup_vs_vllm")})
+            if "vllm_ms" in r:
+                rows.append({k: r[k] for k in ("layers", "batch", "context", "vllm_ms")})
     for layers in a.layers:
         if "pdserve" in a.what:
             r, bd, fb = run_pdserve(layers, a.batches, a.contexts, a.routing, a.steps)
@@ -356,7 +365,14 @@ def main() -> int:
     figures = {"rows": merged, "breakdown": breakdowns, "fallbacks": fallbacks,
                "vllm_version": vllm_version, "copy_gbps": COPY_GBPS,
                "vllm_out_lengths": VLLM_OUT}
-    path = write_result(a.name, figures, a.out, commit=a.commit)
+    if not a.what and env is not None:       # merged only: the runs' own machine and commit
+        figures["merged_from"] = [Path(f).name for f in a.merge]
+        d = Path(a.out) if a.out else Path(__file__).resolve().parent / "results"
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{a.name}.json"
+        path.write_text(json.dumps({"environment": env, "figures": figures}, indent=2))
+    else:
+        path = write_result(a.name, figures, a.out, commit=a.commit)
     print(table(merged))
     print(f"wrote {path}")
     return 0
