@@ -1,7 +1,10 @@
 """Reference prefill -> NIXL transfer -> decode runtime equals the monolithic generate loop
 (in-process ranks for TP 1 -> 1; Ray rank actors with gloo TP groups for 2 -> 1 and 1 -> 2);
-continuous batching, cancel and pool exhaustion."""
+continuous batching, cancel and pool exhaustion; a transfer held at its source stalls no
+running stream."""
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -170,6 +173,81 @@ async def _collect(batcher, handle, delay=0.0, cancel_after=None, hold=None):
         if ev.finish_reason:
             assert ev.error is None, ev.error
     return tokens
+
+
+async def _until(check, what: str, limit_s: float = 120.0) -> None:
+    """Wait for `check()` (a hang guard, not a timing requirement)."""
+    give_up = time.monotonic() + limit_s
+    while not await asyncio.to_thread(check):
+        assert time.monotonic() < give_up, f"waited {limit_s} s for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_transfer_held_at_its_source_stalls_no_running_stream(ray_session):
+    """Admission runs beside the steps: while a request's reads wait for its source (the
+    prefill rank's process stopped, so the READs it serves cannot complete), a stream already
+    running on the same decode instance (a Ray rank actor) goes on getting tokens. Once the
+    source goes on, the held request joins and both give the monolithic tokens."""
+    from pdserve.cluster.actors import start_instance
+    config = preset("tiny")
+    reqs = [Request("running", list(b"a stream that keeps going"),
+                    SamplingParams(max_tokens=120, ignore_eos=True)),
+            Request("held", PROMPTS[2], PARAMS[2])]
+    want = monolithic(config, [r.prompt for r in reqs], [r.params for r in reqs])
+    common = dict(config=config, layout=LAYOUT, seed=5, num_pages=32, num_slots=8)
+    start = lambda role, **kw: start_instance(role, f"{role}-held", 0, 1, {**common, **kw},
+                                              0.5, 0, 120, threads=1)
+    pre = start("prefill")
+    dec = batcher = stopped = None
+    try:
+        # the transfer deadline outlasts the hold: the test ends the hold, not the deadline
+        dec = start("decode", transfer=TransferConfig(base_deadline_s=120))
+        pre.ranks.call("connect", dec.agents)
+        source_pid = ray.get(pre.ranks.actors[0].__ray_call__.remote(lambda _: os.getpid()))
+        results = pre.ranks.call("prefill", reqs, pre.agents)[0]
+        assert all(r.error is None for r in results), results
+        running, held = [r.handle for r in results]
+        batcher = Batcher(DecodeInstance(dec.name, dec.ranks, LAYOUT, {config.eos_token_id}),
+                          max_batch=4)
+        got = {"running": [], "held": []}
+        pages_free = lambda: dec.ranks.call("stats")[0]["pages_free"]
+
+        async def collect(handle):
+            async for ev in batcher.stream(handle, handle.request_id, deadline_s=600):
+                assert ev.error is None, ev.error
+                if ev.token is not None:
+                    got[handle.request_id].append(ev.token)
+
+        async def main():
+            nonlocal stopped
+            first = asyncio.create_task(collect(running))
+            await _until(lambda: got["running"], "the running stream's first token")
+            before = pages_free()
+            os.kill(source_pid, signal.SIGSTOP)
+            stopped = source_pid
+            second = asyncio.create_task(collect(held))
+            # its admission has allocated: its reads are next, and they need the source
+            await _until(lambda: pages_free() < before, "the held request's allocation")
+            at = len(got["running"])
+            await _until(lambda: len(got["running"]) >= at + 8, "8 more running tokens")
+            assert not got["held"], ("the held request's state arrived while its source was "
+                                     "stopped: this transport reads without the source")
+            os.kill(source_pid, signal.SIGCONT)
+            stopped = None
+            await asyncio.gather(first, second)
+
+        asyncio.run(main())
+        assert [got["running"], got["held"]] == want
+        assert all(st["running"] == 0 and st["pages_free"] == st["pages_total"]
+                   for st in dec.ranks.call("stats"))
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        if batcher is not None:
+            batcher.shutdown()
+        for inst in (pre, dec):
+            if inst is not None:
+                inst.kill()
 
 
 def test_requests_joining_and_leaving_a_running_batch_keep_their_tokens():
