@@ -106,7 +106,7 @@ class Batcher:
         self._queue: deque[_Job] = deque()     # waiting for admission
         self._admitted: deque[_Job] = deque()  # admitted, joining at the next step
         self._held = 0                         # taken for admission and not finished
-        self._running: dict[str, _Job] = {}    # step thread only
+        self._running: dict[str, _Job] = {}    # filled by the step thread only
         self._jobs: dict[str, _Job] = {}
         self._stop = False
         self.steps = 0
@@ -118,7 +118,7 @@ class Batcher:
 
     # -- caller side (any thread / asyncio loop) --------------------------------------------
     def submit(self, request: Any, request_id: str, emit, deadline_s: float | None = None) -> None:
-        """Queue a request; `emit(TokenEvent)` is called from the step thread."""
+        """Queue a request; `emit(TokenEvent)` is called from the batcher's threads."""
         with self._lock:
             if self._stop:
                 raise RuntimeError("batcher is shut down")
