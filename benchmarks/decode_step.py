@@ -354,7 +354,11 @@ def main() -> int:
             merged.append(dict(r))
             if r["routing"] == "concentrated":
                 seen[(r["layers"], r["batch"], r["context"])] = merged[-1]
+    invalid = []
     for r in rows:
+        if "vllm_ms" in r and r["vllm_ms"] <= 0:      # a slow short run: not a measurement
+            invalid.append(r)
+            continue
         if "vllm_ms" in r:
             key = (r["layers"], r["batch"], r["context"])
             if key in seen:
@@ -362,7 +366,8 @@ def main() -> int:
                 seen[key]["speedup_vs_vllm"] = round(r["vllm_ms"] / seen[key]["pdserve_ms"], 3)
             else:
                 merged.append(dict(r))
-    figures = {"rows": merged, "breakdown": breakdowns, "fallbacks": fallbacks,
+    figures = {"rows": merged, "vllm_invalid": invalid, "breakdown": breakdowns,
+               "fallbacks": fallbacks,
                "vllm_version": vllm_version, "copy_gbps": COPY_GBPS,
                "vllm_out_lengths": VLLM_OUT}
     if not a.what and env is not None:       # merged only: the runs' own machine and commit
