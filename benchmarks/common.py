@@ -11,7 +11,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def environment(commit: str | None = None) -> dict:
-    """`commit`: where the tree has no git metadata (the H200 gets a copy), the caller's."""
+    """`commit`: the tree's commit as the caller knows it (a device copy's git metadata may be
+    stale); else the checkout's own."""
     import torch
 
     env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -19,7 +20,7 @@ def environment(commit: str | None = None) -> dict:
            "machine": platform.machine(), "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads(),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else
-           f"CPU ({platform.processor() or platform.machine()})", "commit": _commit() or commit}
+           f"CPU ({platform.processor() or platform.machine()})", "commit": commit or _commit()}
     if torch.cuda.is_available():
         env["cuda"] = torch.version.cuda
         env["capability"] = list(torch.cuda.get_device_capability(0))
