@@ -1,8 +1,8 @@
 """Ray actors: one per prefill, decode or monolithic rank, grouped into instances by placement
 groups; or one per whole-instance engine (stock vLLM prefill).
 
-A rank actor hosts a `PrefillRank`, `DecodeRank` or `MonolithicRank`; TP ranks of an instance
-join one torch.distributed group (gloo on CPU, NCCL on GPU) and are packed together (STRICT_PACK).
+A rank actor hosts a `PrefillRank` or a `DecodeRank` (a monolithic rank is a decode rank that
+prefills locally); TP ranks of an instance join one torch.distributed group (gloo on CPU, NCCL on GPU) and are packed together (STRICT_PACK).
 `RayRanks` drives an instance's actors in lockstep with a deadline on every call. A rank actor
 runs calls one at a time in its default concurrency group, and admission calls (`RayRanks
 .admission`: allocate, receive, ...) in a group of their own, so a state transfer into a decode
@@ -99,12 +99,10 @@ class RankHost:
         if self.role == "prefill":
             from pdserve.prefill.engine import PrefillRank
             self.obj = PrefillRank(self.instance, self.rank, tp=tp, **kwargs)
-        elif self.role == "decode":
-            from pdserve.decode.rank import DecodeRank
-            self.obj = DecodeRank(self.instance, self.rank, tp=tp, **kwargs)
         else:
-            from pdserve.decode.rank import MonolithicRank
-            self.obj = MonolithicRank(self.instance, self.rank, tp=tp, **kwargs)
+            from pdserve.decode.rank import DecodeRank
+            self.obj = DecodeRank(self.instance, self.rank, tp=tp,
+                                  local_prefill=self.role == "monolithic", **kwargs)
         return {"pid": os.getpid(), "node": _node_ip()}
 
     def call(self, method: str, *args):

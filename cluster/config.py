@@ -150,7 +150,10 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def decode_layout(self) -> StateLayout:
         """Decode pools with a conv staging slot wide enough to take whole prefill conv slots
-        (planner.conv_staging: one read per layer instead of one per section and tap)."""
+        (planner.conv_staging: one read per layer instead of one per section and tap); a
+        monolithic rank stages nothing (its prefill writes the conv slots in place)."""
+        if self.monolithic:
+            return self.layout(self.decode.conv_layout)
         width = whole_slot_width(RankShapes.of(self.model_config()), self.prefill.tp,
                                  self.decode.tp)
         return self.layout(self.decode.conv_layout, width)
@@ -197,15 +200,16 @@ def validate(cfg: ServeConfig) -> ModelConfig:
         raise ConfigError("model.dtype", "float16 is for prefill.engine = \"vllm\" (what its "
                           "acceptance test runs); pdserve's own engines run float32 or bfloat16")
     if cfg.monolithic:
-        # A monolithic rank runs the reference engine's step for prefill and decode alike
-        # (pdserve.model.generate.ReferenceEngine): no fused kernels, no captured steps.
+        # Monolithic mode is the reference baseline: its ranks prefill with the reference
+        # engine (pdserve.model.generate.ReferenceEngine) and decode with the reference
+        # backend, eagerly: no fused kernels, no captured steps.
         if cfg.decode.backend != "reference":
-            raise ConfigError("decode.backend", f"mode = \"monolithic\" runs the reference engine; "
+            raise ConfigError("decode.backend", f"mode = \"monolithic\" runs the reference backend; "
                               f"got {cfg.decode.backend!r} (the cutedsl backend needs mode = "
                               "\"disaggregated\")")
         if cfg.decode.cuda_graphs:
             raise ConfigError("decode.cuda_graphs", "not available with mode = \"monolithic\" "
-                              "(the reference engine's step runs eagerly)")
+                              "(the monolithic baseline decodes eagerly)")
     if cfg.decode.cuda_graphs and cfg.device != "cuda":
         raise ConfigError("decode.cuda_graphs", "needs GPUs (resources.gpus_per_rank > 0)")
     if cfg.decode.cuda_graphs and cfg.decode.tp > 1:

@@ -35,7 +35,7 @@ import msgspec
 
 from pdserve.api.backend import BackendUnavailable
 from pdserve.decode.batcher import BadRequest, Batcher, DeadlineExceeded, Overloaded, TokenEvent
-from pdserve.decode.instance import RankEngine
+from pdserve.decode.instance import DecodeInstance
 from pdserve.model.sampling import Request
 from pdserve.prefill.engine import PrefillResult
 from pdserve.state.pools import PoolExhausted
@@ -133,15 +133,15 @@ def _agreed(instance: str, per_rank: list) -> list:
 class DecodeSlot:
     """A decode (or monolithic) instance, its step engine and the batcher that drives it."""
 
-    def __init__(self, inst: Instance, engine: RankEngine, max_batch: int, max_queue: int):
+    def __init__(self, inst: Instance, engine: DecodeInstance, max_batch: int, max_queue: int):
         self.inst, self.engine = inst, engine
         self.batcher = Batcher(engine, max_batch=max_batch, max_queue=max_queue)
         self.stats: dict = {}
 
 
 class Router:
-    """`prefill` empty: `decode` holds monolithic instances (`MonolithicInstance` engines),
-    which take the `Request` itself and prefill it."""
+    """`prefill` empty: `decode` holds monolithic instances (`DecodeInstance` engines with
+    `local_prefill`), which take the `Request` itself and prefill it."""
 
     def __init__(self, model_name: str, max_context: int, prefill: list[Instance],
                  decode: list[DecodeSlot], max_queue: int = 256, prefill_idle_threads: int = 0):

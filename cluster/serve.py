@@ -20,7 +20,7 @@ from pdserve.cluster.actors import Instance, start_engine_instance, start_instan
 from pdserve.cluster.config import (ServeConfig, check_vllm_geometry, vllm_engine_config,
                                     vllm_env, vllm_model_dir)
 from pdserve.cluster.router import DecodeSlot, Router
-from pdserve.decode.instance import DecodeInstance, MonolithicInstance
+from pdserve.decode.instance import DecodeInstance
 from pdserve.model.config import PRESETS
 from pdserve.state.block_table import Topology
 from pdserve.transfer.dest import TransferConfig
@@ -80,12 +80,10 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
         checkpoint = str(model_dir)  # decode loads exactly the weights vLLM loads
     common = dict(config=model, seed=cfg.model.seed, checkpoint=checkpoint, device=cfg.device,
                   dtype=cfg.model.dtype)
-    if cfg.monolithic:
-        return _start_monolithic(cfg, common, _eos(model), progress)
     res = cfg.resources
     prefill, decode = [], []
     try:
-        for i in range(cfg.prefill.instances):
+        for i in range(0 if cfg.monolithic else cfg.prefill.instances):
             progress(f"starting prefill-{i} (TP {cfg.prefill.tp}, engine {cfg.prefill.engine}) ...")
             if cfg.vllm:
                 prefill.append(start_engine_instance(
@@ -101,10 +99,13 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
                      # pages laid out per decode DCP rank: one read per rank and layer
                      decode_topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave)),
                 res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
+        # a monolithic instance is a decode instance whose ranks prefill each request themselves
+        role = "monolithic" if cfg.monolithic else "decode"
         for i in range(cfg.decode.instances):
-            progress(f"starting decode-{i} (TP {cfg.decode.tp}, backend {cfg.decode.backend}) ...")
+            progress(f"starting {role}-{i} (TP {cfg.decode.tp}, backend {cfg.decode.backend}"
+                     f"{', prefill + decode' if cfg.monolithic else ''}) ...")
             decode.append(start_instance(
-                "decode", f"decode-{i}", 0, cfg.decode.tp,
+                role, f"{role}-{i}", 0, cfg.decode.tp,
                 dict(common, **decode_kwargs(cfg)),
                 res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
         return assemble(cfg, model, prefill, decode)
@@ -118,6 +119,8 @@ def max_context(cfg: ServeConfig) -> int:
     """The most tokens (prompt + output) one request may hold: the API's limit, and the
     context the decode step's CUDA graphs are captured for."""
     decode_tokens = (cfg.decode.num_pages - 1) * cfg.state.page_tokens
+    if cfg.monolithic:  # one pool holds the prompt and the output
+        return decode_tokens
     if cfg.vllm:  # vLLM's cache is sized in its own blocks; max_model_len bounds one request
         return min(cfg.prefill.vllm.max_model_len, decode_tokens)
     return min(cfg.prefill.num_pages - 1, cfg.decode.num_pages - 1) * cfg.state.page_tokens
@@ -137,7 +140,8 @@ def decode_kwargs(cfg: ServeConfig) -> dict:
 def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Instance]) -> Router:
     """The router over started prefill and decode instances (Ray actors or in-process): every
     prefill instance learns the decode ranks' agents, and each decode instance gets a batcher.
-    A vLLM instance's cache layout is checked against the config first."""
+    A vLLM instance's cache layout is checked against the config first. In monolithic mode
+    `prefill` is empty and the decode instances prefill locally."""
     if cfg.vllm:
         for p in prefill:
             check_vllm_geometry(cfg, p.ranks.call("geometry")[0])
@@ -154,7 +158,9 @@ def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Inst
     for d in decode:
         engine = DecodeInstance(d.name, d.ranks, cfg.decode_layout(), eos,
                                 Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave),
-                                digests if cfg.transfer.verify else None)
+                                digests if cfg.transfer.verify else None,
+                                local_prefill=cfg.monolithic,
+                                idle_threads=cfg.resources.prefill_idle_threads)
         slots.append(DecodeSlot(d, engine, min(cfg.decode.max_batch, cfg.decode.num_slots - 1),
                                 cfg.api.max_queue))
     router = Router(cfg.model.name, max_context(cfg), prefill, slots, cfg.api.max_queue,
@@ -176,31 +182,6 @@ def assemble_local(cfg: ServeConfig, model, prefill_engines: list, decode_ranks:
     decode = [Instance("decode", f"decode-{i}", 0, LocalRanks([r]), None, [r.info()])
               for i, r in enumerate(decode_ranks)]
     return assemble(cfg, model, prefill, decode)
-
-
-def _start_monolithic(cfg: ServeConfig, common: dict, eos: set[int], progress) -> Router:
-    """Instances whose ranks prefill and decode (sized by [decode]); the same placement, rank
-    actors, batcher and router as the disaggregated deployment, no prefill pool, no transfer."""
-    res, sec = cfg.resources, cfg.decode
-    insts = []
-    try:
-        for i in range(sec.instances):
-            progress(f"starting monolithic-{i} (TP {sec.tp}, prefill + decode) ...")
-            insts.append(start_instance(
-                "monolithic", f"monolithic-{i}", 0, sec.tp,
-                dict(common, layout=cfg.layout(sec.conv_layout), num_pages=sec.num_pages,
-                     num_slots=sec.num_slots),
-                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
-    except Exception:
-        for inst in insts:
-            inst.kill()
-        raise
-    slots = [DecodeSlot(m, MonolithicInstance(m.name, m.ranks, eos, res.prefill_idle_threads),
-                        min(sec.max_batch, sec.num_slots - 1), cfg.api.max_queue) for m in insts]
-    router = Router(cfg.model.name, (sec.num_pages - 1) * cfg.state.page_tokens, [], slots,
-                    cfg.api.max_queue)
-    router.instances = insts
-    return router
 
 
 def stop(router: Router) -> None:

@@ -92,7 +92,7 @@ def test_disaggregated_tokens_equal_monolithic(name):
 
 
 def test_step_rows_go_to_the_ranks_in_slot_order_and_tokens_stay_with_their_requests():
-    """RankEngine.decode hands the ranks the step's rows in KDA slot order (the fused KDA
+    """DecodeInstance.decode hands the ranks the step's rows in KDA slot order (the fused KDA
     kernel then walks the state pools in address order), whatever order the caller keeps."""
     config = preset("tiny")
     want = monolithic(config, PROMPTS, PARAMS)

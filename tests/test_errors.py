@@ -2,8 +2,8 @@
 
 Tiny rank actors (real Ray, on a local cluster this module starts) raise each error where the
 real ranks raise it: a transfer deadline, a lost peer or instance, an exhausted pool, a failed
-integrity check, a bad request. The real `Router`, `RayRanks`, `Batcher` and
-`MonolithicInstance` sit on top. Every error's message is the same decoy naming every other kind,
+integrity check, a bad request. The real `Router`, `RayRanks`, `Batcher` and a
+`DecodeInstance` that prefills locally (monolithic) sit on top. Every error's message is the same decoy naming every other kind,
 so any decision taken from the text would be wrong."""
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pdserve.api.backend import BackendUnavailable, BadRequest, DeadlineExceeded
 from pdserve.api.server import create_app
 from pdserve.api.serving import serve_in_thread
 from pdserve.api.tokenizer import ByteLevelTokenizer
-from pdserve.cluster.actors import Instance, InstanceLost, RayRanks, remote_cause
+from pdserve.cluster.actors import ADMISSION, Instance, InstanceLost, RayRanks, remote_cause
 from pdserve.cluster.router import DecodeSlot, Router
-from pdserve.decode.instance import MonolithicInstance, RankEngine
+from pdserve.decode.instance import DecodeInstance
 from pdserve.model.generate import Sequence
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillResult
@@ -147,7 +147,7 @@ class FaultyDecode(_Faults):
         return None
 
 
-class TransferEngine(RankEngine):
+class TransferEngine(DecodeInstance):
     """`DecodeInstance`'s admission without state: the transfer is one call into the rank."""
 
     def admit(self, handle: StateHandle) -> Sequence:
@@ -170,7 +170,8 @@ def local_ray():
 
 
 def instance(role: str, name: str, cls) -> Instance:
-    actor = ray.remote(num_cpus=0)(cls).remote(name)
+    # the admission concurrency group of a real rank actor (`RankActor`): admission calls it
+    actor = ray.remote(num_cpus=0, concurrency_groups={ADMISSION: 1})(cls).remote(name)
     return Instance(role, name, 0, RayRanks(name, [actor], CALL_TIMEOUT_S), None)
 
 
@@ -188,13 +189,14 @@ class Cluster:
         if monolithic:
             self.prefill = []
             self.decode = [instance("monolithic", f"mono-{i}", FaultyDecode) for i in range(decode)]
-            slots = [DecodeSlot(d, MonolithicInstance(d.name, d.ranks, set()), 4, 16)
+            slots = [DecodeSlot(d, DecodeInstance(d.name, d.ranks, None, set(),
+                                                  local_prefill=True), 4, 16)
                      for d in self.decode]
         else:
             self.prefill = [instance("prefill", f"prefill-{i}", FaultyPrefill)
                             for i in range(prefill)]
             self.decode = [instance("decode", f"decode-{i}", FaultyDecode) for i in range(decode)]
-            slots = [DecodeSlot(d, TransferEngine(d.name, d.ranks, set()), 4, 16)
+            slots = [DecodeSlot(d, TransferEngine(d.name, d.ranks, None, set()), 4, 16)
                      for d in self.decode]
         self.router = Router("tiny", 4096, self.prefill, slots, max_queue=16)
 
@@ -351,7 +353,7 @@ def test_the_request_deadline_is_not_retried(cluster):
     assert 1 < len(tokens) < 100 and c.router.retries == 0 and c.decode[0].alive
 
 
-# -- monolithic: the same decisions over MonolithicInstance --------------------------------------
+# -- monolithic: the same decisions over a DecodeInstance that prefills locally ----------------
 def test_monolithic_refusals_by_type(cluster):
     c = cluster(decode=2, monolithic=True)
     plan(c.decode[0], "admit", "pool_exhausted")

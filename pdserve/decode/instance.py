@@ -1,20 +1,21 @@
-"""A decode instance: d ranks in lockstep, fed by transferred state (docs/design.md §2 steps 3-4).
+"""A decode instance: d ranks in lockstep as a `Batcher` step engine (docs/design.md §2 steps 3-5).
 
-`DecodeInstance` is a step engine for `Batcher`: `admit` pulls a request's state from its prefill
-instance into every rank (allocate -> plan -> READ -> verify -> notify), the first token comes
-with the handle, `decode` runs one TP-sharded step for the batch, each request sampled on the
-ranks with its own seeded generator, `release` frees the request on every rank at once. The
-batcher admits in its own thread while the batch steps, so `admit` makes its rank calls through
-`ranks.admission`: calls that run beside the ranks' steps, not queued behind them (a Ray rank
-actor's admission concurrency group).
+A request's state arrives in the ranks' pools one of two ways, fixed per instance by the
+deployment's mode; everything after it (the decode step for the batch, each request sampled on
+the ranks with its own seeded generator, release on every rank at once) is the same:
+- by transfer (disaggregated): `admit(StateHandle)` pulls the state from its prefill instance into
+  every rank (allocate -> plan -> READ -> verify -> notify); the first token comes with the handle;
+- by local prefill (`local_prefill`, monolithic): `admit(Request)` reserves the request's state on
+  every rank and `prefill` runs its prompt there, which gives the first token. It is the baseline
+  that measures what disaggregation costs.
 
-`MonolithicInstance` is the same step engine over ranks that also prefill (`MonolithicRank`):
-`admit` reserves the request's state on every rank and `prefill` computes its first token there;
-no transfer. It is the baseline that measures what disaggregation costs.
+The batcher admits in its own thread while the batch steps, so `admit` makes its rank calls
+through `ranks.admission`: calls that run beside the ranks' steps, not queued behind them (a Ray
+rank actor's admission concurrency group).
 
 `admit` refuses with a type the router decides on: `PoolExhausted` (full), a `TransferError`
 (`PeerLost`, `TransferTimeout`, `IntegrityError`, ...) when the state did not arrive, or
-`BadRequest` when a monolithic rank refuses the request itself (a `ValueError` there).
+`BadRequest` when a rank refuses to prefill the request itself (a `ValueError` there).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ DigestSource = Callable[[StateHandle, int, list], list[int]]
 
 class RankGroup(Protocol):
     size: int
-    admission: "RankGroup"  # the same ranks, called beside their steps (see DecodeInstance)
+    admission: "RankGroup"  # the same ranks, called beside their steps
 
     def call(self, method: str, *args) -> list: ...             # same args on every rank
 
@@ -63,12 +64,50 @@ class LocalRanks:
         return [getattr(r, method)(*a) for r, a in zip(self.ranks, args, strict=True)]
 
 
-class RankEngine:
-    """What both kinds of instance do alike as a `Batcher` step engine: one decode step for the
-    batch on every rank (sampled there), and release on every rank."""
+class DecodeInstance:
+    """`layout`: the ranks' pools (what a transfer allocates into); `topology`: the ranks' TP /
+    DCP; `digests`: the source's digests of what is read (verify mode). `local_prefill`: the
+    ranks prefill each request themselves (ranks built with `local_prefill`), which takes the
+    `Request`; `idle_threads`: torch threads for such a prefill made while this instance holds no
+    other request (its decode would otherwise share the cores; 0 = the ranks' own setting)."""
 
-    def __init__(self, name: str, ranks: RankGroup, eos: set[int]):
+    def __init__(self, name: str, ranks: RankGroup, layout: StateLayout | None, eos: set[int],
+                 topology: Topology | None = None, digests: DigestSource | None = None,
+                 local_prefill: bool = False, idle_threads: int = 0):
         self.name, self.ranks, self.eos = name, ranks, eos
+        self.layout = layout
+        self.topology = topology or Topology(tp=ranks.size)
+        if self.topology.tp != ranks.size:
+            raise ValueError(f"topology TP={self.topology.tp} but {ranks.size} ranks")
+        if self.topology.dcp != 1:
+            raise ValueError("decode with DCP > 1 is not supported by the reference runtime yet "
+                             f"(got dcp={self.topology.dcp}); DCP transfers are")
+        self.digests = digests
+        self.local_prefill, self.idle_threads = local_prefill, idle_threads
+        self.transfers = 0
+        self.held = 0  # admitted and not yet released
+        self._held_lock = threading.Lock()  # admit and release run in different threads
+        self.loads = ranks.admission  # every call of `admit`: none waits behind a step
+        # (source instance, rank) -> the agent generation every rank of this instance knows
+        self._peers: dict[tuple[str, int], int] = {}
+
+    # -- StepEngine -------------------------------------------------------------------------
+    def admit(self, work: StateHandle | Request) -> Sequence:
+        seq = self._reserve(work) if self.local_prefill else self._receive(work)
+        with self._held_lock:
+            self.held += 1
+        return seq
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """The first step of newly admitted requests: their prompts, where the state was not
+        transferred (a transferred request arrived with its first token)."""
+        if not self.local_prefill:
+            return
+        alone = self.idle_threads and self.held == len(seqs)
+        tokens = self.ranks.call("prefill", [s.request_id for s in seqs],
+                                 self.idle_threads if alone else None)[0]
+        for s, t in zip(seqs, tokens, strict=True):
+            s.append(t, self.eos)
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """One token for each of `seqs` (returned in their order). The step's rows go to the
@@ -90,28 +129,32 @@ class RankEngine:
         return out
 
     def release(self, seq: Sequence) -> None:
+        with self._held_lock:
+            self.held -= 1
         self.ranks.call("free", seq.request_id)
 
+    # -- admission by local prefill ---------------------------------------------------------
+    def _reserve(self, request: Request) -> Sequence:
+        # One seed for every rank (each samples the same rows) and for the request's lifetime.
+        request = Request(request.request_id, request.prompt, request.params.with_seed())
+        try:
+            slot = self.loads.call("admit", request)[0]   # rank 0's running slot: row order
+        except Exception as exc:
+            if self.ranks.size > 1:  # a rank that did admit (one died, say) gives it back
+                try:
+                    self.loads.call("free", request.request_id)
+                except Exception:
+                    pass  # the admission error, re-raised, says what went wrong
+            if isinstance(exc, ValueError) and not isinstance(exc, BadRequest):
+                # the rank's contract: a ValueError is this request's fault (empty prompt, ids
+                # outside the vocabulary), not the instance's
+                raise BadRequest(f"{self.name}: {exc}") from exc
+            raise
+        return Sequence(request.request_id, list(request.prompt), request.params,
+                        BlockTable([[]], slot, [], 0))
 
-class DecodeInstance(RankEngine):
-    def __init__(self, name: str, ranks: RankGroup, layout: StateLayout, eos: set[int],
-                 topology: Topology | None = None, digests: DigestSource | None = None):
-        super().__init__(name, ranks, eos)
-        self.layout = layout
-        self.topology = topology or Topology(tp=ranks.size)
-        if self.topology.tp != ranks.size:
-            raise ValueError(f"topology TP={self.topology.tp} but {ranks.size} ranks")
-        if self.topology.dcp != 1:
-            raise ValueError("decode with DCP > 1 is not supported by the reference runtime yet "
-                             f"(got dcp={self.topology.dcp}); DCP transfers are")
-        self.digests = digests
-        self.transfers = 0
-        self.loads = ranks.admission  # every call of `admit`: none waits behind a step
-        # (source instance, rank) -> the agent generation every rank of this instance knows
-        self._peers: dict[tuple[str, int], int] = {}
-
-    # -- StepEngine -------------------------------------------------------------------------
-    def admit(self, handle: StateHandle) -> Sequence:
+    # -- admission by transfer --------------------------------------------------------------
+    def _receive(self, handle: StateHandle) -> Sequence:
         manifest = handle.manifest
         check_topology(manifest.shapes, manifest.topology, self.topology)
         seq = Sequence(handle.request_id, [], handle.params,
@@ -136,10 +179,6 @@ class DecodeInstance(RankEngine):
         self.transfers += 1
         return seq
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Nothing to run: the first token arrived with the state."""
-
-    # -- helpers ----------------------------------------------------------------------------
     def _connect(self, agents: list) -> None:
         """Make the ranks know the source agents. A known generation is skipped (a round trip
         per request that stalled the running batch); a new or older one goes to the ranks,
@@ -168,49 +207,3 @@ class DecodeInstance(RankEngine):
             out.append({s: self.digests(handle, s, source_runs([x for x in mine if x.src_rank == s]))
                         for s in sorted({x.src_rank for x in mine})})
         return out
-
-
-class MonolithicInstance(RankEngine):
-    """Ranks that prefill and decode (`MonolithicRank`): no transfer, no prefill instance.
-
-    `idle_threads`: torch threads for a prefill call made while this instance holds no other
-    request (its decode would otherwise share the cores; 0 = the ranks' own setting)."""
-
-    def __init__(self, name: str, ranks: RankGroup, eos: set[int], idle_threads: int = 0):
-        super().__init__(name, ranks, eos)
-        self.idle_threads = idle_threads
-        self.held = 0  # admitted and not yet released
-        self._held_lock = threading.Lock()  # admit and release run in different threads
-
-    def admit(self, request: Request) -> Sequence:
-        # One seed for every rank (each samples the same rows) and for the request's lifetime.
-        request = Request(request.request_id, request.prompt, request.params.with_seed())
-        try:
-            slot = self.ranks.call("admit", request)[0]   # rank 0's running slot: row order
-        except Exception as exc:
-            if self.ranks.size > 1:  # a rank that did admit (one died, say) gives it back
-                try:
-                    self.ranks.call("free", request.request_id)
-                except Exception:
-                    pass  # the admission error, re-raised, says what went wrong
-            if isinstance(exc, ValueError) and not isinstance(exc, BadRequest):
-                # the rank's contract: a ValueError is this request's fault (empty prompt, ids
-                # outside the vocabulary), not the instance's
-                raise BadRequest(f"{self.name}: {exc}") from exc
-            raise
-        with self._held_lock:
-            self.held += 1
-        return Sequence(request.request_id, list(request.prompt), request.params,
-                        BlockTable([[]], slot, [], 0))
-
-    def prefill(self, seqs: list[Sequence]) -> None:
-        alone = self.idle_threads and self.held == len(seqs)
-        tokens = self.ranks.call("prefill", [s.request_id for s in seqs],
-                                 self.idle_threads if alone else None)[0]
-        for s, t in zip(seqs, tokens, strict=True):
-            s.append(t, self.eos)
-
-    def release(self, seq: Sequence) -> None:
-        with self._held_lock:
-            self.held -= 1
-        super().release(seq)

@@ -1,10 +1,12 @@
-"""One TP rank of a decode instance: its model shard, its pools and its transfer endpoint; and
-one rank of a monolithic instance (prefill and decode in one engine, no transfer).
+"""One TP rank of a decode instance: its model shard, its pools, the decode step, and the way a
+request's state arrives in those pools, fixed per rank: pulled from a prefill instance through
+the rank's transfer endpoint (disaggregated mode), or prefilled here by a `ReferenceEngine` over
+the same pools (`local_prefill`, monolithic mode: no transfer endpoint).
 
 The instance (`pdserve.decode.instance`) drives all ranks in lockstep; every method here is what
-one rank does for one call, whether it lives in this process or in a Ray actor. Both kinds of
-rank sample on the rank (`decode` returns token ids, not logits), so a step's round trip carries
-a few integers whatever the vocabulary size.
+one rank does for one call, whether it lives in this process or in a Ray actor. The rank samples
+(`decode` returns token ids, not logits), so a step's round trip carries a few integers whatever
+the vocabulary size.
 """
 from __future__ import annotations
 
@@ -99,18 +101,22 @@ class DecodeRank:
                  transfer: TransferConfig = TransferConfig(), device: str = "cpu",
                  generation: int = 0, dtype: str = "float32", cuda_graphs: bool = False,
                  graph_max_tokens: int = 4096, mla_fp8_query: str | None = None,
-                 mla_deterministic: bool = False):
+                 mla_deterministic: bool = False, local_prefill: bool = False):
         """`cuda_graphs`: capture the decode step per batch-size bucket (CUDA, TP=1) for
         sequences of up to `graph_max_tokens` tokens; other steps run eagerly (logged once).
         `mla_fp8_query`, `mla_deterministic`: the MLA kernel's query over an fp8 latent pool
-        and its run-to-run determinism (mla_step_for)."""
+        and its run-to-run determinism (mla_step_for). `local_prefill`: requests arrive by
+        `admit` + `prefill` here instead of `allocate` + `receive`; `transfer` and
+        `generation` (which versions the transfer endpoint) are then unused."""
         tp = tp or TPGroup()
         self.rank, self.config = rank, config
         self.model = build_model(config, tp, dtype=dtype_of(dtype), seed=seed,
                             checkpoint=checkpoint).to(device)
         self.layout = layout or StateLayout(latent_dtype="float32", conv_dtype="float32")
+        # conv staging takes a prefill rank's conv slots as they arrive; a local prefill
+        # writes its own slots in place
         self.pools = StatePools(RankShapes.of(config, tp.size), self.layout, num_pages, num_slots,
-                                device=device, conv_staging=True)
+                                device=device, conv_staging=not local_prefill)
         self.kda_step = kda_step_for(backend)
         self.mla_step = mla_step_for(backend, mla_fp8_query, mla_deterministic)
         self.fused = _fused_step(self.model, self.pools, backend)
@@ -119,16 +125,22 @@ class DecodeRank:
                                     forward=self._fused_forward if self.fused else None)
                        if cuda_graphs else None)
         self._eager_reasons: set[str] = set()
-        self.dest = DestRank(RankAgent(instance, rank, generation,
-                                       RegionTable.of_pools(self.pools), device,
-                                       # measured on DRAM (see RankAgent); VRAM keeps the
-                                       # thread until the notify READ is checked on the H200
-                                       progress_thread=str(device).startswith("cuda")),
-                             self.pools, transfer)
+        self.dest = self.prefiller = None  # how state arrives: exactly one of them is set
+        if local_prefill:
+            self.prefiller = ReferenceEngine(self.model, pools=self.pools)
+        else:
+            self.dest = DestRank(RankAgent(instance, rank, generation,
+                                           RegionTable.of_pools(self.pools), device,
+                                           # measured on DRAM (see RankAgent); VRAM keeps the
+                                           # thread until the notify READ is checked on the H200
+                                           progress_thread=str(device).startswith("cuda")),
+                                 self.pools, transfer)
         self.tables: dict[str, BlockTable] = {}
         self.params: dict[str, SamplingParams] = {}
+        self.prompts: dict[str, Sequence] = {}  # admitted here, prompt not run yet
         self.device = device
 
+    # -- state by transfer ------------------------------------------------------------------
     def info(self) -> AgentInfo:
         return self.dest.agent.info()
 
@@ -167,6 +179,50 @@ class DecodeRank:
             self.pools.slots.free([s])
         return stats
 
+    def abandon(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str,
+                request_id: str | None = None) -> None:
+        """A transfer that failed on another rank: free this rank's share, tell the source."""
+        key = request_id or manifest.request_id
+        if key in self.tables:
+            self.free(key)
+        else:
+            try:
+                self.dest.free(alloc)
+            except ValueError:
+                pass  # already freed by this rank's own failed receive
+        for s in range(manifest.topology.tp):
+            try:
+                self.dest.agent.notify(src_instance, s, f"cancel|{manifest.request_id}".encode())
+            except Exception:
+                pass  # a lost source frees by lease expiry
+
+    # -- state by local prefill -------------------------------------------------------------
+    def admit(self, request: Request) -> int:
+        """Reserve the request's pages (prompt + max_tokens) and slot; returns the running KDA
+        slot. Raises PoolExhausted (full) or ValueError (the request's fault).
+        `request.params` must carry a seed (every rank must draw the same one)."""
+        if request.params.seed is None:
+            raise ValueError(f"request {request.request_id}: unseeded parameters reached rank "
+                             f"{self.rank}; the instance seeds them once for all ranks")
+        seq = self.prefiller.admit(request)
+        self.prompts[seq.request_id] = seq
+        self.tables[seq.request_id], self.params[seq.request_id] = seq.table, seq.params
+        return seq.table.kda_slot
+
+    def prefill(self, request_ids: list[str], threads: int | None = None) -> list[int] | None:
+        """Run the admitted prompts into this rank's pools; each one's first token (rank 0).
+        `threads`: torch threads for this call only (the owner knows when nothing else runs)."""
+        seqs = [self.prompts.pop(r) for r in request_ids]
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            first = self.prefiller.prefill(seqs)
+        finally:
+            torch.set_num_threads(before)
+        return first if self.rank == 0 else None
+
+    # -- decode -----------------------------------------------------------------------------
     def _fused_forward(self, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         return self.fused(ids, batch)
 
@@ -218,97 +274,23 @@ class DecodeRank:
 
     def free(self, request_id: str) -> None:
         self.params.pop(request_id, None)
+        self.prompts.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table is not None:
             self.pools.latent.free(table.latent_pages[0])
             self.pools.slots.free([table.kda_slot])
 
-    def abandon(self, manifest: StateManifest, alloc: DestAllocation, src_instance: str,
-                request_id: str | None = None) -> None:
-        """A transfer that failed on another rank: free this rank's share, tell the source."""
-        key = request_id or manifest.request_id
-        if key in self.tables:
-            self.free(key)
-        else:
-            try:
-                self.dest.free(alloc)
-            except ValueError:
-                pass  # already freed by this rank's own failed receive
-        for s in range(manifest.topology.tp):
-            try:
-                self.dest.agent.notify(src_instance, s, f"cancel|{manifest.request_id}".encode())
-            except Exception:
-                pass  # a lost source frees by lease expiry
-
     def stats(self) -> dict:
+        out = {"running": len(self.tables), "pages_free": self.pools.latent.num_free,
+               "slots_free": self.pools.slots.num_free, "pages_total": self.pools.latent.capacity,
+               "slots_total": self.pools.slots.capacity}
+        if self.dest is None:
+            return out
         snap = self.dest.metrics.snapshot()
-        return {"running": len(self.tables), "pages_free": self.pools.latent.num_free,
-                "slots_free": self.pools.slots.num_free, "pages_total": self.pools.latent.capacity,
-                "slots_total": self.pools.slots.capacity,
-                **{f"transfer_bytes_{k}": v for k, v in snap.bytes_by_kind.items()},
+        return {**out, **{f"transfer_bytes_{k}": v for k, v in snap.bytes_by_kind.items()},
                 **{f"transfer_seconds_{k}": v for k, v in snap.seconds_by_kind.items()},
                 "transfer_failures": sum(snap.failures.values()), "transfers": snap.transfers}
 
     def close(self) -> None:
-        self.dest.agent.close()
-
-
-class MonolithicRank:
-    """One TP rank of a monolithic instance: a `ReferenceEngine` prefills and decodes the
-    request in this rank's pools; nothing is transferred. Driven in lockstep like a decode rank
-    (`MonolithicInstance`), with the same `decode` / `free` / `stats` calls."""
-
-    def __init__(self, instance: str, rank: int, config, tp: TPGroup | None = None,
-                 layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
-                 seed: int = 0, checkpoint: str | None = None, device: str = "cpu",
-                 generation: int = 0, dtype: str = "float32"):
-        # `generation` versions a transfer endpoint; a monolithic rank has none, and takes it
-        # only because every role is set up with the same arguments (`start_instance`).
-        self.instance, self.rank = instance, rank
-        model = build_model(config, tp or TPGroup(), dtype=dtype_of(dtype), seed=seed,
-                            checkpoint=checkpoint).to(device)
-        self.engine = ReferenceEngine(model, layout, num_pages, num_slots)
-        self.seqs: dict[str, Sequence] = {}
-
-    def admit(self, request: Request) -> int:
-        """Reserve the request's pages and slot; returns the running KDA slot. Raises
-        PoolExhausted (full) or ValueError. `request.params` must carry a seed (every rank must
-        draw the same one)."""
-        if request.params.seed is None:
-            raise ValueError(f"request {request.request_id}: unseeded parameters reached rank "
-                             f"{self.rank}; the instance seeds them once for all ranks")
-        seq = self.seqs[request.request_id] = self.engine.admit(request)
-        return seq.table.kda_slot
-
-    def prefill(self, request_ids: list[str], threads: int | None = None) -> list[int] | None:
-        """Run the admitted prompts; each one's first token (rank 0). `threads`: torch threads
-        for this call only (the owner knows when nothing else is running)."""
-        seqs = [self.seqs[r] for r in request_ids]
-        before = torch.get_num_threads()
-        if threads:
-            torch.set_num_threads(threads)
-        try:
-            first = self.engine.prefill(seqs)
-        finally:
-            torch.set_num_threads(before)
-        return first if self.rank == 0 else None
-
-    def decode(self, request_ids: list[str], tokens: list[int], positions: list[int]
-               ) -> list[int] | None:
-        """As `DecodeRank.decode`: one step fed `tokens`, sampled at `positions` (rank 0)."""
-        seqs = [self.seqs[r] for r in request_ids]
-        logits = self.engine.step(seqs, [[t] for t in tokens])
-        if self.rank != 0:
-            return None
-        return sample_rows(logits, [s.params for s in seqs], positions)
-
-    def free(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None:
-            self.engine.release(seq)
-
-    def stats(self) -> dict:
-        pools = self.engine.pools
-        return {"running": len(self.seqs), "pages_free": pools.latent.num_free,
-                "slots_free": pools.slots.num_free, "pages_total": pools.latent.capacity,
-                "slots_total": pools.slots.capacity}
+        if self.dest is not None:
+            self.dest.agent.close()

@@ -87,12 +87,16 @@ class ReferenceEngine:
     """Owns a model and the state pools of one rank; runs prefill and decode steps."""
 
     def __init__(self, model: HybridModel, layout: StateLayout | None = None,
-                 num_pages: int = 256, num_slots: int = 16, checkpoint_interval: int = 0):
+                 num_pages: int = 256, num_slots: int = 16, checkpoint_interval: int = 0,
+                 pools: StatePools | None = None):
+        """`pools`: the state pools to run in (a decode rank's own, which its decode step also
+        reads); None: new ones of `layout`, `num_pages` and `num_slots`."""
         self.model, self.config = model, model.config
-        self.layout = layout or StateLayout(latent_dtype="float32", conv_dtype="float32")
-        self.shapes = RankShapes.of(self.config, model.tp.size)
-        self.pools = StatePools(self.shapes, self.layout, num_pages, num_slots,
-                                device=next(model.parameters()).device)
+        if pools is None:
+            pools = StatePools(RankShapes.of(self.config, model.tp.size),
+                               layout or StateLayout(latent_dtype="float32", conv_dtype="float32"),
+                               num_pages, num_slots, device=next(model.parameters()).device)
+        self.pools, self.layout, self.shapes = pools, pools.layout, pools.shapes
         if checkpoint_interval % self.layout.page_tokens:
             raise ValueError(f"checkpoint_interval={checkpoint_interval} must be a multiple of "
                              f"page_tokens={self.layout.page_tokens}")
