@@ -58,36 +58,37 @@ def kda_decode_reference(q: Tensor, k: Tensor, v: Tensor, g_out: Tensor, f: Tens
         raise ValueError(f"conv_layout must be 'SD' or 'DS', got {conv_layout!r}")
     if out is None:
         out = torch.empty(B, HD, dtype=torch.bfloat16, device=q.device)
-    out.zero_()                               # padding requests get zeros
+    # Every row is computed and padding rows keep what they read (masks, not a gather of the
+    # live rows): device ops only, so the op also runs inside a captured CUDA graph.
     slots = slot_idx.long()
-    live = (slots != 0).nonzero().flatten()
-    if live.numel() == 0:
-        return out
-    s = slots[live]
-    n = live.numel()
+    live = slots != 0                                                  # [B]
 
-    # Short conv over the packed channels of all live requests at once: requests become
-    # channel blocks, so one `short_conv` call serves the whole batch.
-    x = torch.cat([q[live], k[live], v[live]], dim=1)                  # [n, 3HD]
-    cs = conv_pool[s] if conv_layout == "SD" else conv_pool[s].transpose(1, 2)   # [n, W-1, 3HD]
-    y, new_cs = short_conv(x.reshape(1, n * 3 * HD),
-                           conv_weight.repeat(n, 1),
-                           cs.transpose(0, 1).reshape(Wm1, n * 3 * HD))
-    new_cs = new_cs.reshape(Wm1, n, 3 * HD).transpose(0, 1)            # [n, W-1, 3HD]
-    conv_pool[s] = new_cs if conv_layout == "SD" else new_cs.transpose(1, 2)
+    # Short conv over the packed channels of all rows at once: requests become channel blocks,
+    # so one `short_conv` call serves the whole batch.
+    x = torch.cat([q, k, v], dim=1)                                    # [B, 3HD]
+    cs_old = conv_pool[slots]
+    cs = cs_old if conv_layout == "SD" else cs_old.transpose(1, 2)     # [B, W-1, 3HD]
+    y, new_cs = short_conv(x.reshape(1, B * 3 * HD),
+                           conv_weight.repeat(B, 1),
+                           cs.transpose(0, 1).reshape(Wm1, B * 3 * HD))
+    new_cs = new_cs.reshape(Wm1, B, 3 * HD).transpose(0, 1)            # [B, W-1, 3HD]
+    new_cs = new_cs if conv_layout == "SD" else new_cs.transpose(1, 2)
+    conv_pool[slots] = torch.where(live[:, None, None], new_cs.to(conv_pool.dtype), cs_old)
 
-    y = y.reshape(n, 3, H, D)
-    qn = l2_normalize(y[:, 0], L2_EPS) * D ** -0.5                     # [n, H, D]
+    y = y.reshape(B, 3, H, D)
+    qn = l2_normalize(y[:, 0], L2_EPS) * D ** -0.5                     # [B, H, D]
     kn = l2_normalize(y[:, 1], L2_EPS)
     vv = y[:, 2]
-    g = kda_log_decay(f[live].reshape(n, H, D), A_log, dt_bias.reshape(H, D), lower_bound)
-    beta = torch.sigmoid(beta_raw[live].float())                       # [n, H]
+    g = kda_log_decay(f.reshape(B, H, D), A_log, dt_bias.reshape(H, D), lower_bound)
+    beta = torch.sigmoid(beta_raw.float())                             # [B, H]
 
     # Requests x heads as one head axis for the recurrence (T = 1).
-    o, S = delta_rule_recurrent(qn.reshape(1, n * H, D), kn.reshape(1, n * H, D),
-                                vv.reshape(1, n * H, D), g.reshape(1, n * H, D),
-                                beta.reshape(1, n * H), state_pool[s].reshape(n * H, D, D))
-    state_pool[s] = S.reshape(n, H, D, D).to(state_pool.dtype)
-    o = gated_rmsnorm(o.reshape(n, H, D), norm_weight, g_out[live].reshape(n, H, D), eps)
-    out[live] = o.reshape(n, HD).to(out.dtype)
+    S_old = state_pool[slots]
+    o, S = delta_rule_recurrent(qn.reshape(1, B * H, D), kn.reshape(1, B * H, D),
+                                vv.reshape(1, B * H, D), g.reshape(1, B * H, D),
+                                beta.reshape(1, B * H), S_old.reshape(B * H, D, D))
+    state_pool[slots] = torch.where(live[:, None, None, None],
+                                    S.reshape(B, H, D, D).to(state_pool.dtype), S_old)
+    o = gated_rmsnorm(o.reshape(B, H, D), norm_weight, g_out.reshape(B, H, D), eps)
+    out.copy_(torch.where(live[:, None], o.reshape(B, HD).to(out.dtype), 0))   # padding: zeros
     return out

@@ -1,6 +1,6 @@
 """Torch reference of the MLA decode op over the paged latent cache: the model's absorbed
 attention (`pdserve.model.mla.absorbed_attention`) on each request's rows, gathered through its
-block table.
+block table (`gather_latent` for one request; the op gathers the whole table at once).
 
 q = [W_UK^T q_nope (512) | q_pe (64)] per head; each cached row is [c_kv (512) | k_pe (64)]. With
 an fp8 e4m3 cache the true row is stored * kv_scale. fp8_query="single" rounds the query as the
@@ -53,11 +53,17 @@ def mla_decode_reference(
     if check_fp8_query(fp8_query) == "single" and kv_cache.element_size() == 1:
         q = quantize_query_e4m3(q)
     scale = 1.0 if kv_scale is None else float(kv_scale)
-    out = torch.empty(B, H, LATENT_DIM, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
-    for b, n in enumerate(int(x) for x in seq_lens.tolist()):
-        assert n >= 1, "every request has at least one token"
-        rows = gather_latent(kv_cache, block_table, n, b).float() * scale
-        o, l = absorbed_attention(q[b, None].float(), rows, LATENT_DIM, softmax_scale)
-        out[b], lse[b] = o[0], l[0]
-    return out.to(out_dtype), lse
+    # Every request's pages at the table's full width, the rows past its length masked: device
+    # ops only, so the op also runs inside a captured CUDA graph.
+    pages = block_table.long().to(kv_cache.device)                    # [B, max_pages]
+    if kv_cache.element_size() == 1:      # gather fp8 as bytes (index kernels may lack fp8)
+        rows = kv_cache.view(torch.uint8)[pages].view(kv_cache.dtype)
+    else:
+        rows = kv_cache[pages]
+    rows = rows.reshape(B, -1, HEAD_DIM).float() * scale             # [B, L, 576]
+    visible = (torch.arange(rows.shape[1], device=q.device)
+               < seq_lens.to(q.device).long()[:, None])              # [B, L]
+    rows = torch.where(visible[..., None], rows, 0.0)   # rows past the end may hold anything
+    out, lse = absorbed_attention(q.float()[:, None], rows, LATENT_DIM, softmax_scale,
+                                  visible[:, None, :])
+    return out[:, 0].to(out_dtype), lse[:, 0]

@@ -161,7 +161,7 @@ def _greedy(step, eng, seqs, steps, rows, feed=None):
             tokens = feed[i]
         batch = DecodeBatch.of(tables, eng.pools.latent.page_tokens, "cuda", rows=rows)
         logits = step(torch.tensor(tokens + [0] * (rows - len(tokens)), device="cuda"), batch)
-        logits = logits[:len(tables)].float()
+        logits = logits[:len(tables)].float().clone()     # a graph's output is overwritten
         logits_seen.append(logits)
         tokens = logits.argmax(-1).tolist()
         out.append(tokens)
