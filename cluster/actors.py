@@ -2,7 +2,8 @@
 groups; or one per whole-instance engine (stock vLLM prefill).
 
 A rank actor hosts a `PrefillRank` or a `DecodeRank` (a monolithic rank is a decode rank that
-prefills locally); TP ranks of an instance join one torch.distributed group (gloo on CPU, NCCL on GPU) and are packed together (STRICT_PACK).
+prefills locally); TP ranks of an instance join one torch.distributed group (gloo on CPU, NCCL
+on GPU) and are packed together (STRICT_PACK).
 `RayRanks` drives an instance's actors in lockstep with a deadline on every call. A rank actor
 runs calls one at a time in its default concurrency group, and admission calls (`RayRanks
 .admission`: allocate, receive, ...) in a group of their own, so a state transfer into a decode

@@ -204,9 +204,9 @@ def validate(cfg: ServeConfig) -> ModelConfig:
         # engine (pdserve.model.generate.ReferenceEngine) and decode with the reference
         # backend, eagerly: no fused kernels, no captured steps.
         if cfg.decode.backend != "reference":
-            raise ConfigError("decode.backend", f"mode = \"monolithic\" runs the reference backend; "
-                              f"got {cfg.decode.backend!r} (the cutedsl backend needs mode = "
-                              "\"disaggregated\")")
+            raise ConfigError("decode.backend", "mode = \"monolithic\" runs the reference "
+                              f"backend; got {cfg.decode.backend!r} (the cutedsl backend needs "
+                              "mode = \"disaggregated\")")
         if cfg.decode.cuda_graphs:
             raise ConfigError("decode.cuda_graphs", "not available with mode = \"monolithic\" "
                               "(the monolithic baseline decodes eagerly)")

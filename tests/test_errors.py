@@ -3,8 +3,8 @@
 Tiny rank actors (real Ray, on a local cluster this module starts) raise each error where the
 real ranks raise it: a transfer deadline, a lost peer or instance, an exhausted pool, a failed
 integrity check, a bad request. The real `Router`, `RayRanks`, `Batcher` and a
-`DecodeInstance` that prefills locally (monolithic) sit on top. Every error's message is the same decoy naming every other kind,
-so any decision taken from the text would be wrong."""
+`DecodeInstance` that prefills locally (monolithic) sit on top. Every error's message is the
+same decoy naming every other kind, so any decision taken from the text would be wrong."""
 from __future__ import annotations
 
 import asyncio
@@ -150,13 +150,10 @@ class FaultyDecode(_Faults):
 class TransferEngine(DecodeInstance):
     """`DecodeInstance`'s admission without state: the transfer is one call into the rank."""
 
-    def admit(self, handle: StateHandle) -> Sequence:
+    def _receive(self, handle: StateHandle) -> Sequence:
         self.ranks.call("receive", handle.request_id, handle.params.position_offset)
         return Sequence(handle.request_id, [], handle.params, BlockTable([[]], 1, [], 0),
                         [handle.first_token], handle.finished)
-
-    def prefill(self, seqs) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

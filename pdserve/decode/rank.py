@@ -137,7 +137,7 @@ class DecodeRank:
                                  self.pools, transfer)
         self.tables: dict[str, BlockTable] = {}
         self.params: dict[str, SamplingParams] = {}
-        self.prompts: dict[str, Sequence] = {}  # admitted here, prompt not run yet
+        self.to_prefill: dict[str, Sequence] = {}  # admitted here, prompt not run yet
         self.device = device
 
     # -- state by transfer ------------------------------------------------------------------
@@ -205,14 +205,14 @@ class DecodeRank:
             raise ValueError(f"request {request.request_id}: unseeded parameters reached rank "
                              f"{self.rank}; the instance seeds them once for all ranks")
         seq = self.prefiller.admit(request)
-        self.prompts[seq.request_id] = seq
+        self.to_prefill[seq.request_id] = seq
         self.tables[seq.request_id], self.params[seq.request_id] = seq.table, seq.params
         return seq.table.kda_slot
 
     def prefill(self, request_ids: list[str], threads: int | None = None) -> list[int] | None:
         """Run the admitted prompts into this rank's pools; each one's first token (rank 0).
         `threads`: torch threads for this call only (the owner knows when nothing else runs)."""
-        seqs = [self.prompts.pop(r) for r in request_ids]
+        seqs = [self.to_prefill.pop(r) for r in request_ids]
         before = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
@@ -274,7 +274,7 @@ class DecodeRank:
 
     def free(self, request_id: str) -> None:
         self.params.pop(request_id, None)
-        self.prompts.pop(request_id, None)
+        self.to_prefill.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table is not None:
             self.pools.latent.free(table.latent_pages[0])
