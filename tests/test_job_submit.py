@@ -3,6 +3,7 @@ over HTTP, then stopped."""
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -32,11 +33,25 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
     keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env["RAY_AUTH_MODE"] = "disabled"
-    start = run(["ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
-                 "--include-dashboard=true", "--num-cpus=4", "--disable-usage-stats"], 180, env)
-    assert start.returncode == 0, start.stdout + start.stderr
+    # --block keeps the head's processes under this one process group, so the test stops the
+    # cluster it started and no other (`ray stop` would stop every Ray cluster on the machine)
+    head = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={gcs}",
+                             f"--dashboard-port={dash}", "--include-dashboard=true",
+                             "--num-cpus=4", "--disable-usage-stats"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     job_id = None
     try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert head.poll() is None, "ray start exited: " + head.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{dash}/api/version", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the Ray head's dashboard did not come up"
+            time.sleep(1)
         # pdserve is installed in this environment: no working_dir upload needed
         submit = run(["ray", "job", "submit", f"--address=http://127.0.0.1:{dash}", "--no-wait",
                       "--", sys.executable, "-m", "pdserve.cli", "serve",
@@ -66,4 +81,21 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
     finally:
         if job_id:
             run(["ray", "job", "stop", f"--address=http://127.0.0.1:{dash}", job_id], 60, env)
-        run(["ray", "stop", "--force"], 120, env)
+        _stop_group(head)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM the process group `proc` leads (the head's processes), SIGKILL what is left
+    after `grace_s`."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
