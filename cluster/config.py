@@ -103,6 +103,8 @@ class ApiSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: int = 8000
     max_queue: int = 256
     request_timeout_s: float = 300.0
+    max_body_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, refused unread
+    body_timeout_s: float = 10.0           # a body not received by then is a 408
 
 
 class ResourcesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -179,7 +181,8 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                  "decode.instances", "decode.tp", "decode.max_batch", "decode.num_pages",
                  "decode.num_slots", "decode.interleave", "state.page_tokens",
                  "transfer.deadline_s", "transfer.expected_gbps", "transfer.lease_s",
-                 "api.max_queue", "api.request_timeout_s", "resources.cpus_per_rank",
+                 "api.max_queue", "api.request_timeout_s", "api.max_body_bytes",
+                 "api.body_timeout_s", "resources.cpus_per_rank",
                  "resources.call_timeout_s"):
         section, field = name.split(".")
         _positive(name, getattr(getattr(cfg, section), field))

@@ -186,7 +186,7 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x" * 20000},
      "the prompt has 20000 tokens; the model's maximum context is"),
     ("completions", {"model": MODEL, "prompt": "x", "temperature": -1},
-     "temperature must be >= 0"),
+     "temperature must be in 0..2, got -1"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, "top_p must be in (0, 1]"),
     ("completions", {"model": MODEL, "prompt": "x", "top_k": -2}, "top_k must be >= 0"),
     ("completions", {"model": MODEL, "prompt": "x", "seed": "s"}, "seed: Expected"),

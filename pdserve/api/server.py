@@ -8,9 +8,16 @@ status (400), one past its deadline a 504: decided on the exception's type, neve
 request whose client disconnects is cancelled at once, and every request ends by its deadline
 (`request_timeout_s`), which the backend also receives.
 
-Sampling follows OpenAI: `temperature` defaults to 1.0 (send 0 for greedy), `top_p` to 1.0;
-`seed` makes sampling reproducible. Extensions, spelled as in vLLM: `top_k`, `ignore_eos`, and
-`return_token_ids` (each choice or chunk then carries the output `token_ids`).
+Bodies are bounded before they are parsed: one larger than `max_body_bytes` is a 413 (refused
+on its Content-Length, or as soon as the bytes read pass the limit), one not received within
+`body_timeout_s` a 408 (a slow or truncated upload never holds a handler); bytes that are not
+UTF-8 and JSON nested past the parser's depth limit are 400s. Unknown paths (404) and methods
+(405) answer in the same error shape as everything else.
+
+Sampling follows OpenAI: `temperature` defaults to 1.0 (send 0 for greedy) and lies in 0..2,
+`top_p` defaults to 1.0 and lies in (0, 1]; `seed` (a signed 64-bit integer) makes sampling
+reproducible. Extensions, spelled as in vLLM: `top_k` (0..vocabulary size, 0 = off),
+`ignore_eos`, and `return_token_ids` (each choice or chunk then carries the output `token_ids`).
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi import FastAPI
-from starlette.requests import Request as HttpRequest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
 from pdserve.api.backend import (BackendUnavailable, BadRequest, DeadlineExceeded,
@@ -36,23 +44,35 @@ from pdserve.model.sampling import Request, SamplingParams
 
 log = logging.getLogger("pdserve.api")
 
-_ERROR_TYPES = {400: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {408: "timeout", 429: "rate_limit_error", 503: "service_unavailable",
+                504: "timeout"}  # other 4xx: invalid_request_error, 5xx: server_error
+MAX_BODY_BYTES = 4 * 1024 * 1024  # api.max_body_bytes: room for the largest shipped context
+                                  # (262K tokens) as a JSON list of token ids
+BODY_TIMEOUT_S = 10.0             # api.body_timeout_s
+MAX_TEMPERATURE = 2.0             # OpenAI's documented range is 0..2
+_INT64 = (-2**63, 2**63 - 1)      # what every engine's seed (a torch generator's) accepts
+
+
+def _error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
 class ApiError(Exception):
     """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after: float | None = None):
+                 retry_after: float | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.param, self.retry_after = status, param, retry_after
+        self.close = close
 
     def response(self) -> Response:
         headers = {}
+        if self.close:  # the body was not read to its end: the connection cannot carry another
+            headers["Connection"] = "close"  # request, and closing it stops the upload
         if self.retry_after is not None:  # HTTP wants whole seconds
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return _json({"error": {"message": str(self), "type": _ERROR_TYPES.get(self.status),
+        return _json({"error": {"message": str(self), "type": _error_type(self.status),
                                 "param": self.param, "code": self.status}},
                      self.status, headers)
 
@@ -127,6 +147,13 @@ def _decode(raw: bytes, kind: type[_Body]) -> _Body:
         raise _bad(f"{path or 'request body'}: {msg}", path or None) from None
     except msgspec.DecodeError as exc:
         raise _bad(f"request body is not valid JSON: {exc}", None) from None
+    except UnicodeDecodeError as exc:  # msgspec checks UTF-8 only inside strings, and so
+        bad = exc.object[exc.start:exc.start + 1]  # raises this instead of a DecodeError
+        raise _bad(f"request body is not valid UTF-8: a JSON string holds byte {bad.hex()} "
+                   f"({exc.reason})", None) from None
+    except RecursionError:  # the parser's depth limit (the interpreter's): bounded nesting
+        raise _bad("request body is not valid JSON for this API: arrays or objects nested too "
+                   "deeply", None) from None
 
 
 def _check_no_ops(body: _Body) -> None:
@@ -134,6 +161,21 @@ def _check_no_ops(body: _Body) -> None:
         value = getattr(body, field, None)
         if value is not None and (type(value) is not type(no_op) or value != no_op):
             raise _bad(f"{field}={value!r} is not supported by this server", field)
+
+
+def _check_sampling(body: _Body, vocab_size: int) -> None:
+    """Ranges a user would expect (OpenAI's where it documents one); SamplingParams checks only
+    what the sampler needs, so 1e9 would otherwise pass as a valid temperature or top_k."""
+    if body.temperature is not None and not 0 <= body.temperature <= MAX_TEMPERATURE:
+        raise _bad(f"temperature must be in 0..{MAX_TEMPERATURE:g}, got {body.temperature!r}",
+                   "temperature")
+    if body.top_p is not None and not 0 < body.top_p <= 1:
+        raise _bad(f"top_p must be in (0, 1], got {body.top_p!r}", "top_p")
+    if body.top_k is not None and not 0 <= body.top_k <= vocab_size:
+        raise _bad(f"top_k must be >= 0 (0 = off) and at most the vocabulary size "
+                   f"{vocab_size}, got {body.top_k}", "top_k")
+    if body.seed is not None and not _INT64[0] <= body.seed <= _INT64[1]:
+        raise _bad(f"seed must be a signed 64-bit integer, got {body.seed}", "seed")
 
 
 def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
@@ -237,9 +279,11 @@ class _ClosingStream(StreamingResponse):
 # -- the app ----------------------------------------------------------------------------------
 class _Api:
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer,
-                 request_timeout_s: float, default_max_tokens: int):
+                 request_timeout_s: float, default_max_tokens: int, max_body_bytes: int,
+                 body_timeout_s: float):
         self.backend, self.tokenizer = backend, tokenizer
         self.timeout, self.default_max_tokens = request_timeout_s, default_max_tokens
+        self.max_body, self.body_timeout = max_body_bytes, body_timeout_s
         self.metrics = ApiMetrics(backend)
 
     def job(self, raw: bytes, chat: bool) -> _Job:
@@ -248,6 +292,7 @@ class _Api:
             raise _bad(f"model {body.model!r} is not served here; this server serves "
                        f"{self.backend.model_name!r}", "model")
         _check_no_ops(body)
+        _check_sampling(body, self.tokenizer.vocab_size)
         if body.stream_options is not None and not body.stream:
             raise _bad("stream_options is only allowed with stream=true", "stream_options")
         if chat:
@@ -291,13 +336,45 @@ class _Api:
                        f"model's maximum context of {limit} tokens", field)
         return value if value is not None else min(self.default_max_tokens, room)
 
+    async def body(self, http: HttpRequest) -> bytes:
+        """The body, read no further than `max_body` bytes and for no longer than
+        `body_timeout` seconds."""
+        declared = http.headers.get("content-length")
+        declared = int(declared) if declared and declared.isdigit() else None  # h11 checked it
+        if declared is not None and declared > self.max_body:  # refused before reading a byte
+            raise self._too_large(declared)
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in http.stream():
+                    size += len(chunk)
+                    if size > self.max_body:
+                        raise self._too_large(None)
+                    chunks.append(chunk)
+        except TimeoutError:
+            of = f" of the {declared} its Content-Length announces" if declared is not None else ""
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{self.body_timeout:g} s ({size} bytes received{of})",
+                           close=True) from None
+        except ClientDisconnect:
+            raise _ClientGone() from None
+        return b"".join(chunks)
+
+    def _too_large(self, declared: int | None) -> ApiError:
+        size = "" if declared is None else f" of {declared} bytes"
+        return ApiError(413, f"request body{size} is larger than this server's limit of "
+                             f"{self.max_body} bytes", close=True)
+
     async def generate(self, http: HttpRequest, chat: bool) -> Response:
         track = self.metrics.track()
         try:
-            job = self.job(await http.body(), chat)
+            job = self.job(await self.body(http), chat)
         except ApiError:
             track.done("invalid")
             raise
+        except _ClientGone:
+            track.done("cancelled")
+            return Response(status_code=499)
         deadline = asyncio.get_running_loop().time() + self.timeout
         events = self.backend.generate(Request(job.id, job.prompt, job.params), self.timeout)
         try:
@@ -391,7 +468,7 @@ class _Api:
             outcome = "ok"
         except _Failed as exc:
             outcome = "error"
-            yield _event({"error": {"message": str(exc), "type": _ERROR_TYPES.get(exc.status),
+            yield _event({"error": {"message": str(exc), "type": _error_type(exc.status),
                                     "param": None, "code": exc.status}})
         except Exception:
             outcome = "error"
@@ -493,12 +570,17 @@ def _event(body: dict) -> bytes:
 
 
 def create_app(backend: GenerationBackend, tokenizer: Tokenizer, request_timeout_s: float = 300.0,
-               default_max_tokens: int = 16) -> FastAPI:
+               default_max_tokens: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The API app. It owns `backend` from then on: the backend is closed when the app shuts
-    down. `default_max_tokens` applies when a request gives no limit (OpenAI's is 16)."""
-    if request_timeout_s <= 0:
-        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-    api = _Api(backend, tokenizer, request_timeout_s, default_max_tokens)
+    down. `default_max_tokens` applies when a request gives no limit (OpenAI's is 16); a body
+    larger than `max_body_bytes` is a 413, one not received within `body_timeout_s` a 408."""
+    for name, value in (("request_timeout_s", request_timeout_s),
+                        ("max_body_bytes", max_body_bytes), ("body_timeout_s", body_timeout_s)):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    api = _Api(backend, tokenizer, request_timeout_s, default_max_tokens, max_body_bytes,
+               body_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -510,6 +592,21 @@ def create_app(backend: GenerationBackend, tokenizer: Tokenizer, request_timeout
     @app.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError) -> Response:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException) -> Response:
+        # the router's own 404 / 405, in the shape clients parse (and with its Allow header)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = (f"method {request.method} is not allowed on {request.url.path}"
+                       + (f"; use {exc.headers['Allow']}" if exc.headers and "Allow" in exc.headers
+                          else ""))
+        else:
+            message = str(exc.detail)
+        response = ApiError(exc.status_code, message).response()
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_request, exc: Exception) -> Response:
