@@ -100,7 +100,15 @@ def head(path: str, **headers) -> bytes:
 def read_response(sock: socket.socket) -> httpx.Response:
     """Everything up to the server's close (it closes after these errors), parsed."""
     data = b""
-    while chunk := sock.recv(65536):
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:  # a byte sent after the server closed draws a reset; the
+            if not data:              # answer came before it
+                raise
+            break
+        if not chunk:
+            break
         data += chunk
     status_line, _, rest = data.partition(b"\r\n")
     header_block, _, body = rest.partition(b"\r\n\r\n")
@@ -131,6 +139,12 @@ def test_invalid_utf8_is_400(main, endpoint, raw):
 ], ids=["prompt", "content", "content part", "objects"])
 def test_deep_nesting_is_400(main, endpoint, raw):
     assert_error(post(main.url, endpoint, raw), 400, "nested too deeply")
+
+
+def test_text_part_without_a_string_is_400(main):
+    r = post(main.url, "chat/completions", CHAT % b'[{"type": "text", "text": 5}]')
+    assert_error(r, 400, "messages[0].content[0].text must be a string",
+                 param="messages[0].content[0].text")
 
 
 def test_refused_bodies_leave_the_server_serving(main):

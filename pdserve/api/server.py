@@ -214,8 +214,10 @@ def _message_text(content: Any, where: str) -> str:
         raise _bad(f"{where} must be a string or a list of text parts", where)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" \
-                or not isinstance(part.get("text"), str):
+        if isinstance(part, dict) and part.get("type") == "text" \
+                and not isinstance(part.get("text"), str):
+            raise _bad(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise _bad(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": ...}}; "
                        f"got {kind!r} (only text is supported)", f"{where}[{j}]")
