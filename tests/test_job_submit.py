@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,10 +35,14 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env["RAY_AUTH_MODE"] = "disabled"
     # --block keeps the head's processes under this one process group, so the test stops the
-    # cluster it started and no other (`ray stop` would stop every Ray cluster on the machine)
+    # cluster it started and no other (`ray stop` would stop every Ray cluster on the machine);
+    # a temp dir of its own keeps its address file (ray_current_cluster) out of /tmp/ray, where
+    # a later ray.init() on the machine would find it pointing at a stopped head
+    temp = tempfile.mkdtemp(prefix="rayjob", dir="/tmp")    # short: Ray's socket paths
     head = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={gcs}",
                              f"--dashboard-port={dash}", "--include-dashboard=true",
-                             "--num-cpus=4", "--disable-usage-stats"], env=env,
+                             f"--temp-dir={temp}", "--num-cpus=4", "--disable-usage-stats"],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     job_id = None
@@ -45,12 +50,11 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
         deadline = time.monotonic() + 180
         while True:
             assert head.poll() is None, "ray start exited: " + head.stdout.read()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{dash}/api/version", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the Ray head's dashboard did not come up"
+            # ready when the job API answers (the dashboard serves before its job agent does)
+            if run(["ray", "job", "list", f"--address=http://127.0.0.1:{dash}"], 60,
+                   env).returncode == 0:
+                break
+            assert time.monotonic() < deadline, "the Ray head's job API did not come up"
             time.sleep(1)
         # pdserve is installed in this environment: no working_dir upload needed
         submit = run(["ray", "job", "submit", f"--address=http://127.0.0.1:{dash}", "--no-wait",
@@ -82,6 +86,7 @@ def test_ray_job_submit_serves_and_stops(tmp_path):
         if job_id:
             run(["ray", "job", "stop", f"--address=http://127.0.0.1:{dash}", job_id], 60, env)
         _stop_group(head)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
