@@ -199,7 +199,9 @@ def running_server(cfg: ServeConfig, model, address: str | None = None, progress
     router = start(cfg, model, address, progress)
     try:
         app = create_app(router, load_tokenizer(cfg.model.name, model.vocab_size),
-                         request_timeout_s=cfg.api.request_timeout_s)
+                         request_timeout_s=cfg.api.request_timeout_s,
+                         max_body_bytes=cfg.api.max_body_bytes,
+                         body_timeout_s=cfg.api.body_timeout_s)
         with serve_in_thread(app, cfg.api.host, cfg.api.port) as url:
             yield url, router
     finally:
