@@ -15,7 +15,7 @@ Times: median over CUDA-graph replays; each graph holds N >= MIN_CALLS calls tha
 disjoint state (>= ~200 MB, at most 256 sets), so it does not stay in L2; per-call = replay / N.
 Slots, as the runtime addresses them (the figures of record): each call is another layer with its
 own pool (SlotPool's [n_kda, slots, H, V, K]), the batch holds slots 1..B (SlotPool hands out the
-lowest free ids) in slot order (RankEngine orders a step's rows by slot). `*_random_slots_us`: the
+lowest free ids) in slot order (DecodeInstance orders a step's rows by slot). `*_random_slots_us`: the
 same kernel with B random slots of one pool of (sets x B + 1) slots per call, as churn could
 scatter them at worst. With --marginal also
 (t_2N - t_N) / N, which charges no call with the replay's launch or the first call's missing
