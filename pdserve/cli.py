@@ -99,9 +99,13 @@ def cmd_serve(args) -> int:
     end = time.monotonic() + args.max_seconds if args.max_seconds else None
     cfg, model = _serve_config(args)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def catch_stop_signals():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    catch_stop_signals()
     with running_server(cfg, model, args.address, progress=lambda m: print(m, flush=True)) as (url, router):
+        catch_stop_signals()     # ray.init() installed its own SIGTERM handler over ours
         print(f"pdserve: serving {cfg.model.name} at {url}/v1 (OpenAI API; /health, /metrics). "
               "Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
