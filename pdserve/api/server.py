@@ -225,11 +225,21 @@ def _message_text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+# Every stop string is checked against the text at every token: the list is bounded (OpenAI
+# allows 4 sequences; a few more are served for clients that send a handful).
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+
 def _stops(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOPS:
+        raise _bad(f"stop has {len(stops)} strings; at most {MAX_STOPS} are served", "stop")
     for i, s in enumerate(stops):
         if not s:
             raise _bad(f"stop[{i}] must be a non-empty string", "stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise _bad(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_CHARS}", "stop")
     return stops
 
 
