@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import registry
+from ..guards import cutedsl_refusal, sm90_refusal
 from .reference import latent_store_reference
 
 OP = "latent_store"
@@ -34,10 +35,9 @@ def latent_store_problem(kv, weight, eps, data, new_page, new_row, kv_scale=None
 
 
 def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
-    if p["device_type"] != "cuda":
-        return f"needs a CUDA device, got {p['device_type']}"
-    if p["capability"] != (9, 0):
-        return f"needs sm_90 (Hopper), got capability {p['capability']}"
+    why = sm90_refusal(p["device_type"], p["capability"])
+    if why:
+        return why
     want = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int64, torch.int64)
     if p["dtypes"] != want:
         return f"needs bf16 rows, weight and cache and int64 indices, got {p['dtypes']}"
@@ -45,11 +45,7 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
         return f"latent {p['rank']} + {p['width'] - p['rank']} is not served"
     if not p["layout_ok"]:
         return "rows need inner stride 1 and 16-byte aligned rows; cache contiguous"
-    try:
-        import cutlass  # noqa: F401
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        return f"CuTe DSL unavailable: {type(exc).__name__}: {exc}"
-    return None
+    return cutedsl_refusal()
 
 
 def latent_store_cutedsl(*args, **kwargs):

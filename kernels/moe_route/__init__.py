@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import registry
+from ..guards import cutedsl_refusal, sm90_refusal
 from .reference import moe_route_reference
 
 OP = "moe_route"
@@ -37,10 +38,9 @@ def moe_route_problem(logits, bias, top_k, groups, topk_group, func, renormalize
 
 
 def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
-    if p["device_type"] != "cuda":
-        return f"needs a CUDA device, got {p['device_type']}"
-    if p["capability"] != (9, 0):
-        return f"needs sm_90 (Hopper), got capability {p['capability']}"
+    why = sm90_refusal(p["device_type"], p["capability"])
+    if why:
+        return why
     if not 1 <= p["batch"] <= MAX_TOKENS:
         return f"batch {p['batch']} not in 1..{MAX_TOKENS}"
     if p["experts"] % 32 or not 32 <= p["experts"] <= 512:
@@ -58,11 +58,7 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
         return f"dtypes must be fp32 logits/bias/weights and int32 indices, got {p['dtypes']}"
     if not p["contiguous"]:
         return "logits and outputs must be contiguous"
-    try:
-        import cutlass  # noqa: F401
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        return f"CuTe DSL unavailable: {type(exc).__name__}: {exc}"
-    return None
+    return cutedsl_refusal()
 
 
 def moe_route_cutedsl(*args):

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import registry
+from ..guards import cutedsl_refusal, sm90_refusal
 from .reference import add_rmsnorm_reference
 
 OP = "add_rmsnorm"
@@ -36,10 +37,9 @@ def add_rmsnorm_problem(residual, delta, weight, eps, out, residual_out=None, to
 
 
 def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
-    if p["device_type"] != "cuda":
-        return f"needs a CUDA device, got {p['device_type']}"
-    if p["capability"] != (9, 0):
-        return f"needs sm_90 (Hopper), got capability {p['capability']}"
+    why = sm90_refusal(p["device_type"], p["capability"])
+    if why:
+        return why
     if p["dim"] % 8 or p["dim"] > 8192:
         return f"dim must be a multiple of 8 up to 8192, got {p['dim']}"
     if p["dtypes"] != {torch.bfloat16}:
@@ -48,11 +48,7 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
         return "rows need inner stride 1 and 16-byte aligned rows"
     if not p["pairs_ok"]:
         return "token_pair must be contiguous int32 and pair_weight fp32"
-    try:
-        import cutlass  # noqa: F401
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        return f"CuTe DSL unavailable: {type(exc).__name__}: {exc}"
-    return None
+    return cutedsl_refusal()
 
 
 def add_rmsnorm_cutedsl(*args, **kwargs):
