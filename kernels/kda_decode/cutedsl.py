@@ -45,6 +45,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from ..compile import gmem_ptr
+
 D = 128          # K = V = head dim
 W = 4            # conv width
 TAPS = W - 1
@@ -379,14 +381,9 @@ _PTR_SPECS = (
 )
 
 
-def _ptr(dtype, addr: int, align: int):
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def _fake_args():
     import cuda.bindings.driver as cuda
-    ptrs = tuple(_ptr(dt, 1 << 20, al) for _, dt, al in _PTR_SPECS)
+    ptrs = tuple(gmem_ptr(dt, 1 << 20, al) for _, dt, al in _PTR_SPECS)
     i = Int32(1)
     return ptrs + (i,) * 11 + (Float32(1e-6), Float32(-5.0), cuda.CUstream(0))
 
@@ -517,7 +514,7 @@ def launch(q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight
                          min_blocks=ch["min_blocks"], early_rows=ch["early_rows"])
     tensors = (q, k, v, g_out, f, beta_raw, conv_weight, A_log, dt_bias, norm_weight,
                state_pool, conv_pool, slot_idx, out)
-    ptrs = [_ptr(dt, t.data_ptr(), al) for t, (_, dt, al) in zip(tensors, _PTR_SPECS)]
+    ptrs = [gmem_ptr(dt, t.data_ptr(), al) for t, (_, dt, al) in zip(tensors, _PTR_SPECS)]
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     fn(*ptrs, Int32(B), Int32(H), Int32(state_pool.shape[0]), Int32(first_wave),
        Int32(q.stride(0)), Int32(k.stride(0)), Int32(v.stride(0)), Int32(g_out.stride(0)),

@@ -7,12 +7,11 @@ into the row's slot of the paged cache; the next P/8 threads copy k_pe beside it
 """
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+
+from ..compile import CompileCache, fake_ptrs, gmem_ptr
 
 VEC = 8
 WARP = 32
@@ -78,14 +77,8 @@ class LatentStoreSm90:
                 cute.autovec_copy(rV, cute.make_tensor(dst + tidx * VEC, cute.make_layout(VEC)))
 
 
-_compiled: dict[tuple, Any] = {}
-_lock = threading.Lock()
+_cache = CompileCache()
 _SPECS = ((BFloat16, 16), (BFloat16, 16), (BFloat16, 16), (Int64, 8), (Int64, 8))
-
-
-def _ptr(dtype, addr: int, align: int):
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
 def compile_variant(rank: int, rope: int, dump_dir: str | None = None):
@@ -94,16 +87,9 @@ def compile_variant(rank: int, rope: int, dump_dir: str | None = None):
     import cuda.bindings.driver as cuda
 
     def build(**opts):
-        fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
-        return cute.compile(LatentStoreSm90(rank, rope), *fake, Int32(1), Int32(1), Int32(64),
-                            Float32(1e-6), cuda.CUstream(0), **opts)
-    if dump_dir is not None:
-        return build(options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
-    with _lock:
-        fn = _compiled.get((rank, rope))
-        if fn is None:
-            fn = _compiled[(rank, rope)] = build()
-    return fn
+        return cute.compile(LatentStoreSm90(rank, rope), *fake_ptrs(_SPECS), Int32(1), Int32(1),
+                            Int32(64), Float32(1e-6), cuda.CUstream(0), **opts)
+    return _cache.get((rank, rope), build, dump_dir)
 
 
 def launch(kv, weight, eps, data, new_page, new_row, kv_scale=None):
@@ -113,7 +99,7 @@ def launch(kv, weight, eps, data, new_page, new_row, kv_scale=None):
     R = weight.shape[0]
     fn = compile_variant(R, kv.shape[1] - R)
     tensors = (kv, weight, data, new_page, new_row)
-    ptrs = [_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
+    ptrs = [gmem_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
     fn(*ptrs, Int32(kv.shape[0]), Int32(kv.stride(0)), Int32(data.shape[1]), Float32(eps),
        cuda.CUstream(torch.cuda.current_stream(kv.device).cuda_stream))
     return data

@@ -16,13 +16,11 @@ B is run-time.
 """
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from ..compile import CompileCache, fake_ptrs, gmem_ptr
 from . import MAX_TOKENS
 
 WARP = 32
@@ -173,13 +171,7 @@ class MoeRouteSm90:
                     mTokenPair[t * S + K] = n + t
 
 
-_compiled: dict[tuple, Any] = {}
-_lock = threading.Lock()
-
-
-def _ptr(dtype, addr: int, align: int):
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+_cache = CompileCache()
 
 
 _SPECS = ((Float32, 4), (Float32, 4), (Int32, 4), (Float32, 4), (Int32, 4), (Int32, 4))
@@ -193,15 +185,9 @@ def compile_variant(experts: int, top_k: int, shared: int, renormalize: bool, sc
     key = (experts, top_k, shared, renormalize, float(scaling), with_bias)
 
     def build(**opts):
-        fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
-        return cute.compile(MoeRouteSm90(*key), *fake, Int32(1), cuda.CUstream(0), **opts)
-    if dump_dir is not None:
-        return build(options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
-    with _lock:
-        fn = _compiled.get(key)
-        if fn is None:
-            fn = _compiled[key] = build()
-    return fn
+        return cute.compile(MoeRouteSm90(*key), *fake_ptrs(_SPECS), Int32(1), cuda.CUstream(0),
+                            **opts)
+    return _cache.get(key, build, dump_dir)
 
 
 def launch(logits, bias, top_k, groups, topk_group, func, renormalize, scaling, shared,
@@ -213,6 +199,6 @@ def launch(logits, bias, top_k, groups, topk_group, func, renormalize, scaling, 
     fn = compile_variant(E, top_k, shared, renormalize, scaling, bias is not None)
     tensors = (logits, bias if bias is not None else logits, pair_token, pair_weight,
                token_pair, group_end)
-    ptrs = [_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
+    ptrs = [gmem_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
     fn(*ptrs, Int32(B), cuda.CUstream(torch.cuda.current_stream(logits.device).cuda_stream))
     return pair_token, pair_weight, token_pair, group_end

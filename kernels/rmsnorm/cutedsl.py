@@ -11,12 +11,11 @@ whether residual_out is written; row strides and B are run-time values.
 """
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
+
+from ..compile import CompileCache, fake_ptrs, gmem_ptr
 
 VEC = 8
 WARP = 32
@@ -110,16 +109,10 @@ class AddRmsNormSm90:
                                                        cute.make_layout(VEC)))
 
 
-_compiled: dict[tuple, Any] = {}
-_lock = threading.Lock()
+_cache = CompileCache()
 # (dtype, assumed alignment) of the pointer arguments, in order
 _SPECS = ((BFloat16, 16), (BFloat16, 16), (Int32, 4), (Float32, 4), (BFloat16, 16),
           (BFloat16, 16), (BFloat16, 16))
-
-
-def _ptr(dtype, addr: int, align: int):
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
 
 
 def compile_variant(dim: int, delta: str, slots: int, write_residual: bool,
@@ -131,16 +124,9 @@ def compile_variant(dim: int, delta: str, slots: int, write_residual: bool,
 
     def build(**opts):
         kern = AddRmsNormSm90(dim, delta, slots, write_residual)
-        fake = [_ptr(dt, 1 << 20, al) for dt, al in _SPECS]
-        return cute.compile(kern, *fake, Int32(1), Int32(1), Int32(1), Int32(1), Int32(1),
-                            Float32(1e-6), cuda.CUstream(0), **opts)
-    if dump_dir is not None:
-        return build(options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
-    with _lock:
-        fn = _compiled.get(key)
-        if fn is None:
-            fn = _compiled[key] = build()
-    return fn
+        return cute.compile(kern, *fake_ptrs(_SPECS), Int32(1), Int32(1), Int32(1), Int32(1),
+                            Int32(1), Float32(1e-6), cuda.CUstream(0), **opts)
+    return _cache.get(key, build, dump_dir)
 
 
 def launch(residual, delta, weight, eps, out, residual_out=None, token_pair=None,
@@ -156,7 +142,7 @@ def launch(residual, delta, weight, eps, out, residual_out=None, token_pair=None
                token_pair if token_pair is not None else dummy,
                pair_weight if pair_weight is not None else dummy, weight, out,
                residual_out if residual_out is not None else dummy)
-    ptrs = [_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
+    ptrs = [gmem_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
     stride = lambda t: Int32(t.stride(0) if t is not None else 0)  # noqa: E731
     fn(*ptrs, Int32(residual.shape[0]), stride(residual), stride(delta), stride(out),
        stride(residual_out), Float32(eps),
