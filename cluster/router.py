@@ -193,7 +193,9 @@ class Router:
                 # copy of it.
                 if handle is not None and handle.finished is None:
                     emitted.append(handle.first_token)
-                    yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None)
+                    yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None,
+                                     logprob=handle.first_logprob,
+                                     prompt_logprobs=handle.prompt_logprobs)
                     skip = 1
                 decoded = 0
                 left = None if end is None else max(end - time.monotonic(), 0.01)
@@ -208,7 +210,8 @@ class Router:
                                     yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
                                 continue
                             emitted.append(ev.token)
-                            yield TokenEvent(rid, ev.token, len(emitted) - 1, ev.finish_reason)
+                            yield msgspec.structs.replace(ev, request_id=rid,
+                                                          index=len(emitted) - 1)
                         elif ev.finish_reason == "error":
                             failed = ev
                         else:

@@ -32,6 +32,8 @@ from typing import Any, AsyncIterator, Protocol
 
 import msgspec
 
+from pdserve.model.sampling import TokenLogprob
+
 log = logging.getLogger("pdserve.decode")
 
 
@@ -42,6 +44,9 @@ class TokenEvent(msgspec.Struct, frozen=True):
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None         # what failed, for people
     exc: BaseException | None = None  # the failure itself, for code (in-process, never encoded)
+    logprob: TokenLogprob | None = None  # `token`'s, when the request asks for logprobs
+    # on a request's first token event, when it asks for them: its prompt's (entry 0 None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Overloaded(RuntimeError):
@@ -247,9 +252,13 @@ class Batcher:
                 self.engine.release(job.seq)
             finally:
                 self._drop(job)
+        logprobs = job.seq.logprobs
         while job.sent < len(out):
             last = job.sent == len(out) - 1
-            job.emit(TokenEvent(job.request_id, out[job.sent], job.sent, reason if last else None))
+            job.emit(TokenEvent(
+                job.request_id, out[job.sent], job.sent, reason if last else None,
+                logprob=logprobs[job.sent] if job.sent < len(logprobs) else None,
+                prompt_logprobs=job.seq.prompt_logprobs if job.sent == 0 else None))
             job.sent += 1
 
     def _loop(self) -> None:

@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 
 from pdserve.decode.batcher import BadRequest
 from pdserve.model.generate import Sequence
-from pdserve.model.sampling import Request
+from pdserve.model.sampling import Request, Sampled
 from pdserve.prefill.handle import StateHandle
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import StateLayout
@@ -35,6 +35,11 @@ from pdserve.transfer.planner import DestAllocation, check_topology, plan_transf
 
 # (handle, source rank, runs) -> xxh3 digests computed by that source rank
 DigestSource = Callable[[StateHandle, int, list], list[int]]
+
+
+def _sampled(tokens: list[int] | Sampled) -> Sampled:
+    """A rank's draws: bare token ids unless a request asked for log-probabilities."""
+    return tokens if isinstance(tokens, Sampled) else Sampled(tokens)
 
 
 class RankGroup(Protocol):
@@ -104,10 +109,12 @@ class DecodeInstance:
         if not self.local_prefill:
             return
         alone = self.idle_threads and self.held == len(seqs)
-        tokens = self.ranks.call("prefill", [s.request_id for s in seqs],
-                                 self.idle_threads if alone else None)[0]
-        for s, t in zip(seqs, tokens, strict=True):
-            s.append(t, self.eos)
+        out = _sampled(self.ranks.call("prefill", [s.request_id for s in seqs],
+                                       self.idle_threads if alone else None)[0])
+        for i, (s, t) in enumerate(zip(seqs, out.tokens, strict=True)):
+            if out.prompt_logprobs is not None:
+                s.prompt_logprobs = out.prompt_logprobs[i]
+            s.append(t, self.eos, out.logprobs[i] if out.logprobs else None)
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """One token for each of `seqs` (returned in their order). The step's rows go to the
@@ -120,11 +127,12 @@ class DecodeInstance:
         rows = [seqs[i] for i in order]
         # The ranks sample (token ids come back, not logits): a step's round trip is a few
         # integers each way, and this thread does no per-row torch work.
-        tokens = self.ranks.call("decode", [s.request_id for s in rows],
-                                 [s.output[-1] for s in rows], [len(s.output) for s in rows])[0]
+        got = _sampled(self.ranks.call("decode", [s.request_id for s in rows],
+                                       [s.output[-1] for s in rows],
+                                       [len(s.output) for s in rows])[0])
         out = [0] * len(seqs)
-        for i, t in zip(order, tokens, strict=True):
-            seqs[i].append(t, self.eos)
+        for j, (i, t) in enumerate(zip(order, got.tokens, strict=True)):
+            seqs[i].append(t, self.eos, got.logprobs[j] if got.logprobs else None)
             out[i] = t
         return out
 
@@ -159,7 +167,8 @@ class DecodeInstance:
         check_topology(manifest.shapes, manifest.topology, self.topology)
         seq = Sequence(handle.request_id, [], handle.params,
                        BlockTable([[]], 0, [], manifest.num_tokens), [handle.first_token],
-                       handle.finished)
+                       handle.finished, [handle.first_logprob] if handle.params.logprobs
+                       is not None else [], handle.prompt_logprobs)
         if handle.finished:
             return seq
         self._connect(handle.agents)

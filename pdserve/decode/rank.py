@@ -6,7 +6,9 @@ the same pools (`local_prefill`, monolithic mode: no transfer endpoint).
 The instance (`pdserve.decode.instance`) drives all ranks in lockstep; every method here is what
 one rank does for one call, whether it lives in this process or in a Ray actor. The rank samples
 (`decode` returns token ids, not logits), so a step's round trip carries a few integers whatever
-the vocabulary size.
+the vocabulary size; a step some of whose requests ask for log-probabilities returns a `Sampled`
+with them instead. For penalties the rank keeps each penalized request's output tokens: every
+token a step is fed is the request's previous output token.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pdserve.kernels import registry
 from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.generate import ReferenceEngine, Sequence, build_model
 from pdserve.model.parallel import TPGroup
-from pdserve.model.sampling import Request, SamplingParams, sample_batch
+from pdserve.model.sampling import Request, Sampled, SamplingParams, sample_rows
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 from pdserve.state.manifest import StateManifest
@@ -30,14 +32,6 @@ from pdserve.transfer.planner import DestAllocation
 from pdserve.transfer.regions import RegionTable
 
 log = logging.getLogger("pdserve.decode")
-
-
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
-                ) -> list[int]:
-    """Row i's token for output position `positions[i]`: exactly what the reference loop's
-    `sample_next` draws for the same logits (seeded by position, docs/design.md §2), on the logits'
-    device."""
-    return sample_batch(logits, params, positions)
 
 
 def fused_step_for(op: str, problem, backend: str):
@@ -137,6 +131,7 @@ class DecodeRank:
                                  self.pools, transfer)
         self.tables: dict[str, BlockTable] = {}
         self.params: dict[str, SamplingParams] = {}
+        self.history: dict[str, list[int]] = {}    # penalized requests' output tokens so far
         self.to_prefill: dict[str, Sequence] = {}  # admitted here, prompt not run yet
         self.device = device
 
@@ -175,6 +170,8 @@ class DecodeRank:
             [alloc.latent_pages[self.rank]], alloc.slots[self.rank][0], [], manifest.num_tokens)
         if params is not None:
             self.params[key] = params
+            if params.penalized:  # a resumed request's earlier tokens are not known here
+                self.history[key] = []
         for s in alloc.slots[self.rank][1:]:  # checkpoints are not needed to decode
             self.pools.slots.free([s])
         return stats
@@ -207,10 +204,14 @@ class DecodeRank:
         seq = self.prefiller.admit(request)
         self.to_prefill[seq.request_id] = seq
         self.tables[seq.request_id], self.params[seq.request_id] = seq.table, seq.params
+        if seq.params.penalized:
+            self.history[seq.request_id] = seq.history
         return seq.table.kda_slot
 
-    def prefill(self, request_ids: list[str], threads: int | None = None) -> list[int] | None:
-        """Run the admitted prompts into this rank's pools; each one's first token (rank 0).
+    def prefill(self, request_ids: list[str], threads: int | None = None
+                ) -> list[int] | Sampled | None:
+        """Run the admitted prompts into this rank's pools; each one's first token (rank 0),
+        as a `Sampled` with the log-probabilities where a request asks for them.
         `threads`: torch threads for this call only (the owner knows when nothing else runs)."""
         seqs = [self.to_prefill.pop(r) for r in request_ids]
         before = torch.get_num_threads()
@@ -220,7 +221,12 @@ class DecodeRank:
             first = self.prefiller.prefill(seqs)
         finally:
             torch.set_num_threads(before)
-        return first if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        if all(s.params.logprobs is None and s.params.prompt_logprobs is None for s in seqs):
+            return first
+        return Sampled(first, [s.logprobs[0] if s.logprobs else None for s in seqs],
+                       [s.prompt_logprobs for s in seqs])
 
     # -- decode -----------------------------------------------------------------------------
     def _fused_forward(self, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
@@ -256,24 +262,30 @@ class DecodeRank:
         return logits.cpu() if self.rank == 0 else None
 
     def decode(self, request_ids: list[str], tokens: list[int], positions: list[int]
-               ) -> list[int] | None:
+               ) -> list[int] | Sampled | None:
         """One decode step, sampled here on the logits' device: the token at output position
         `positions[i]` for each request (rank 0; the others return None). Only token ids leave
-        the device."""
+        the device, and log-probabilities for the requests that ask for them (a `Sampled`)."""
         missing = [r for r in request_ids if r not in self.params]
         if missing:
             raise ValueError(f"requests {missing[:3]} were received without sampling params; "
                              "`decode` samples with them (pass params to `receive`)")
+        for r, t in zip(request_ids, tokens):
+            if r in self.history:  # the step's input is the previous output token
+                self.history[r].append(t)
         logits, greedy = self._forward(request_ids, tokens)
         if self.rank != 0:
             return None
         params = [self.params[r] for r in request_ids]
-        if greedy is not None and all(p.temperature == 0.0 for p in params):
+        if greedy is not None and all(p.plain for p in params):
             return greedy.tolist()
-        return sample_rows(logits, params, positions)
+        out = sample_rows(logits, params, positions,
+                          [self.history.get(r, []) for r in request_ids])
+        return out.tokens if out.logprobs is None else out
 
     def free(self, request_id: str) -> None:
         self.params.pop(request_id, None)
+        self.history.pop(request_id, None)
         self.to_prefill.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table is not None:

@@ -14,7 +14,8 @@ from pdserve.model.batch import ForwardBatch
 from pdserve.model.config import ModelConfig
 from pdserve.model.model import HybridModel
 from pdserve.model.parallel import TPGroup
-from pdserve.model.sampling import Request, SamplingParams, sample
+from pdserve.model.sampling import (Request, SamplingParams, TokenLogprob, sample,
+                                    token_logprobs)
 from pdserve.model.weights import init_seeded, load_checkpoint
 from pdserve.state.block_table import BlockTable
 from pdserve.state.layout import RankShapes, StateLayout
@@ -60,13 +61,26 @@ class Sequence:
     table: BlockTable
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    # with params.logprobs: output[i]'s log-probabilities; with params.prompt_logprobs: the
+    # prompt's (entry 0, the first token, has none)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, eos: set[int]) -> None:
+    @property
+    def history(self) -> list[int]:
+        """The output tokens so far, for penalties: those of this sequence, after the ones a
+        resumed request carries at the end of its prompt (`position_offset` of them)."""
+        done = self.params.position_offset
+        return (self.prompt[len(self.prompt) - done:] if done else []) + self.output
+
+    def append(self, token: int, eos: set[int], logprob: TokenLogprob | None = None) -> None:
         self.output.append(token)
+        if self.params.logprobs is not None:
+            self.logprobs.append(logprob)
         if token in self.params.stop_token_ids or (token in eos and not self.params.ignore_eos):
             self.finish_reason = "stop"
         elif len(self.output) >= self.params.max_tokens:
@@ -77,10 +91,22 @@ def sample_next(seqs: list[Sequence], logits: torch.Tensor, eos: set[int]) -> li
     """Sample each sequence's next token from its logits row (seeded by output position)."""
     out = []
     for s, row in zip(seqs, logits):
-        tok = sample(row, s.params, len(s.output))
-        s.append(tok, eos)
+        tok = sample(row, s.params, len(s.output), s.history)
+        s.append(tok, eos, token_logprobs(row[None], [tok], [s.params.logprobs])[0])
         out.append(tok)
     return out
+
+
+def _score_prompt(seq: Sequence, logits: torch.Tensor) -> None:
+    """Record the prompt logprobs that the logits of a prefill chunk's every row give: the row
+    at prompt position q scores prompt token q + 1."""
+    start = seq.table.num_tokens
+    if start == 0:
+        seq.prompt_logprobs = [None]
+    n = min(logits.shape[0], len(seq.prompt) - 1 - start)
+    if n > 0:
+        seq.prompt_logprobs += token_logprobs(logits[:n], seq.prompt[start + 1:start + 1 + n],
+                                              [seq.params.prompt_logprobs] * n)
 
 
 class ReferenceEngine:
@@ -142,11 +168,25 @@ class ReferenceEngine:
 
     # -- steps ------------------------------------------------------------------------------
     def step(self, seqs: list[Sequence], chunks: list[list[int]]) -> torch.Tensor:
-        """Feed `chunks[i]` to `seqs[i]` (one batched forward); logits of each last token."""
+        """Feed `chunks[i]` to `seqs[i]` (one batched forward); logits of each last token.
+        A chunk of a prompt whose sequence asks for prompt logprobs also records them."""
         batch = ForwardBatch.of([s.table for s in seqs], [len(c) for c in chunks])
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long,
                            device=self.pools.latent.data.device)
-        logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows())
+        scored = [i for i, s in enumerate(seqs) if s.params.prompt_logprobs is not None
+                  and s.table.num_tokens < len(s.prompt)]
+        if not scored:
+            logits = self.model(ids, batch, self.pools, logit_rows=batch.last_rows())
+        else:
+            rows = [list(range(b.start, b.start + b.length)) if i in scored
+                    else [b.start + b.length - 1] for i, b in enumerate(batch.seqs)]
+            every = self.model(ids, batch, self.pools, logit_rows=[r for rs in rows for r in rs])
+            starts = [0]
+            for rs in rows:
+                starts.append(starts[-1] + len(rs))
+            for i in scored:
+                _score_prompt(seqs[i], every[starts[i]:starts[i + 1]])
+            logits = every[[end - 1 for end in starts[1:]]]
         for s, c in zip(seqs, chunks):
             s.table.num_tokens += len(c)
         return logits
@@ -172,8 +212,9 @@ class ReferenceEngine:
             pos += step
         first = []
         for s in seqs:
-            tok = sample(logits[s.request_id], s.params, 0)
-            s.append(tok, self.eos)
+            row = logits[s.request_id]
+            tok = sample(row, s.params, 0, s.history)
+            s.append(tok, self.eos, token_logprobs(row[None], [tok], [s.params.logprobs])[0])
             first.append(tok)
         return first
 

@@ -1,9 +1,16 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, with a seed.
+"""Per-request sampling: greedy, temperature, top-k, top-p, with a seed; presence and
+frequency penalties; log-probabilities of the chosen tokens.
 
 Randomness for the token at output position i is a hash of (seed, i, token id), not a generator
 carried across steps, so any engine (prefill for the first token, a decode instance for the rest,
 a re-prefill after a failure) and any device (the CPU reference, the GPU decode step) draws the
 same token for the same logits.
+
+Penalties (OpenAI's): a row's logit for token j loses `frequency_penalty * c_j +
+presence_penalty * (c_j > 0)`, where c_j counts j among the request's output tokens so far,
+before temperature, top-k and top-p (and before greedy's argmax). Log-probabilities are the
+model's own distribution, log_softmax of the raw logits (before penalties, temperature, top-k and
+top-p, as vLLM reports them by default), so they do not depend on how the token was drawn.
 """
 from __future__ import annotations
 
@@ -11,6 +18,9 @@ import hashlib
 
 import msgspec
 import torch
+
+MAX_PENALTY = 2.0      # OpenAI's range for presence_penalty and frequency_penalty: -2..2
+MAX_LOGPROBS = 20      # OpenAI's top_logprobs maximum
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -24,6 +34,12 @@ class SamplingParams(msgspec.Struct, frozen=True):
     # Output positions already produced elsewhere: a request resumed after a failure continues
     # the same random stream (position i draws with (seed, position_offset + i)).
     position_offset: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Log-probabilities: None = none; k >= 0 = each output token's, with the k most likely
+    # alternatives. `prompt_logprobs` likewise for every prompt token after the first.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -36,6 +52,23 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.position_offset < 0:
             raise ValueError(f"position_offset must be >= 0, got {self.position_offset}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in -{MAX_PENALTY:g}..{MAX_PENALTY:g}, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Greedy, unpenalized and without logprobs: the argmax alone is the whole answer."""
+        return self.temperature == 0.0 and not self.penalized and self.logprobs is None
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed (drawn now when unset), so the request is replayable."""
@@ -77,8 +110,27 @@ def _gumbel(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
-                 ) -> list[int]:
+def penalize(logits: torch.Tensor, params: list[SamplingParams],
+             histories: list[list[int]] | None) -> torch.Tensor:
+    """`logits` with each penalized row's presence and frequency penalties subtracted, counted
+    over `histories[i]` (row i's output tokens so far); the tensor itself where no row is."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    if histories is None or len(histories) != len(params):
+        raise ValueError("penalized rows need their output histories")
+    out, vocab = logits.float().clone(), logits.shape[-1]
+    for i in rows:
+        if histories[i]:
+            ids = torch.tensor(histories[i], dtype=torch.long, device=out.device)
+            counts = torch.bincount(ids, minlength=vocab).to(out.dtype)
+            out[i] -= params[i].frequency_penalty * counts \
+                + params[i].presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                 histories: list[list[int]] | None = None) -> list[int]:
     """Each row's token for output position `positions[i]` from fp32 logits [rows, vocab], on
     whatever device the logits live (CPU and GPU give the same tokens for the same logits).
 
@@ -86,11 +138,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: 
     kept tokens of logits / temperature + Gumbel noise keyed by (seed, position_offset +
     position, token id), which is a draw from softmax(logits / temperature) restricted to them.
     Kept: the `top_k` best (ties by lower id), then the smallest prefix of those whose
-    probability mass reaches `top_p` (always at least the best token)."""
+    probability mass reaches `top_p` (always at least the best token). Penalized rows are
+    penalized first, over `histories[i]` (`penalize`)."""
     rows = logits.shape[0]
     if len(params) != rows or len(positions) != rows:
         raise ValueError(f"{rows} logits rows for {len(params)} params and {len(positions)} "
                          "positions")
+    logits = penalize(logits, params, histories)
     out = logits.argmax(dim=-1)
     hot = [i for i, p in enumerate(params) if p.temperature > 0.0]
     if hot:
@@ -132,9 +186,59 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], positions: 
     return out.tolist()
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """One token id from fp32 logits [vocab] for output position `position` (0 = first token)."""
-    return sample_batch(logits[None], [params], [position])[0]
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A token's log-probability under the model's distribution at its position, and the `top`
+    most likely tokens there as (id, log-probability), best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int | None]
+                   ) -> list[TokenLogprob | None]:
+    """Row i's `tokens[i]` under log_softmax(logits[i]) (fp32) with its `ks[i]` most likely
+    alternatives (ties by lower id); None for rows whose `ks[i]` is None."""
+    out: list[TokenLogprob | None] = [None] * len(ks)
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    if not rows:
+        return out
+    dev = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=dev))[:, 0].tolist()
+    k_max = max(ks[i] for i in rows)
+    vals, ids = lp.sort(dim=-1, descending=True, stable=True) if k_max else (lp, lp)
+    vals, ids = vals[:, :k_max].tolist(), ids[:, :k_max].tolist()
+    for j, i in enumerate(rows):
+        top = list(zip(ids[j][:ks[i]], vals[j][:ks[i]]))
+        out[i] = TokenLogprob(tokens[i], chosen[j], top)
+    return out
+
+
+class Sampled(msgspec.Struct, frozen=True, array_like=True):
+    """A step's draws: row i's token and, where its params ask for them, its log-probabilities
+    (`logprobs[i]`) and, after a prefill, its prompt's (`prompt_logprobs[i]`, entry 0 None)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                histories: list[list[int]] | None = None) -> Sampled:
+    """`sample_batch`, with each row's log-probabilities where its params ask for them."""
+    tokens = sample_batch(logits, params, positions, histories)
+    ks = [p.logprobs for p in params]
+    if all(k is None for k in ks):
+        return Sampled(tokens)
+    return Sampled(tokens, token_logprobs(logits, tokens, ks))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, position: int,
+           history: list[int] | None = None) -> int:
+    """One token id from fp32 logits [vocab] for output position `position` (0 = first token);
+    `history`: the output tokens before it (for penalties)."""
+    return sample_batch(logits[None], [params], [position], [history or []])[0]
 
 
 class Request(msgspec.Struct, frozen=True):

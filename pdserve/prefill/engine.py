@@ -102,7 +102,8 @@ class PrefillRank:
             params = msgspec.structs.replace(req.params, seed=seq.params.seed)
             results[seq.request_id] = PrefillResult(seq.request_id, StateHandle(
                 seq.request_id, self.instance, self.generation, agents, manifest, first, params,
-                len(seq.prompt), time.time() + (deadline - time.monotonic()), stopped))
+                len(seq.prompt), time.time() + (deadline - time.monotonic()), stopped,
+                seq.logprobs[0] if seq.logprobs else None, seq.prompt_logprobs))
             if stopped:  # nothing to transfer: the request ended with its first token
                 self.source.cancel(seq.request_id)
         return [results[r.request_id] for r in requests]

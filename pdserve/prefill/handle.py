@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling import SamplingParams, TokenLogprob
 from pdserve.state.manifest import StateManifest
 from pdserve.transfer.nixl_agent import AgentInfo
 
@@ -19,3 +19,5 @@ class StateHandle(msgspec.Struct, frozen=True):
     prompt_tokens: int
     lease_deadline: float        # wall clock (time.time()) when the source frees the state
     finished: str | None = None  # "stop" / "length" when the first token already ends it
+    first_logprob: TokenLogprob | None = None  # with params.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with params.prompt_logprobs
