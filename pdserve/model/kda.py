@@ -15,7 +15,7 @@ from torch import nn
 
 from pdserve.model import kda_ops
 from pdserve.model.batch import DecodeBatch, ForwardBatch
-from pdserve.model.parallel import Linear, TPGroup, sharded
+from pdserve.model.parallel import Linear, TPGroup, sharded, vector_map
 from pdserve.state.layout import conv_from_sd, conv_to_sd
 from pdserve.state.pools import SlotPool
 
@@ -105,7 +105,7 @@ class KDAAttention(nn.Module):
         f = f_raw.float().view(T, H, D)
         g = kda_ops.kda_log_decay(f, self.A_log.view(H), self.dt_bias.view(H, D),
                                   self.lower_bound)
-        beta = torch.sigmoid(beta_raw.float())
+        beta = vector_map(torch.sigmoid, beta_raw.float())
 
         if decode:
             o = self._decode(qkv, conv_w, g, beta, batch, pool, layer)

@@ -135,8 +135,13 @@ def _chunk_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return o, S_new
 
 
+# `delta_rule_chunked`'s chunk: a prompt prefilled in pieces that start on multiples of it runs
+# the same chunks, and so gets the same bits, as prefilled whole (pdserve/prefill/scheduler.py)
+CHUNK_TOKENS = 16
+
+
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                       state: Tensor, chunk_size: int = 16) -> tuple[Tensor, Tensor]:
+                       state: Tensor, chunk_size: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
     """Chunk-parallel form of `delta_rule_recurrent` (same shapes and result).
 
     Processes chunks of `chunk_size` tokens (the last one may be partial;

@@ -10,12 +10,15 @@ Scale is (qk_nope + qk_rope)^-1/2. K3 adds q_lora (q_a -> RMSNorm -> q_b) and a 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.norms import RMSNorm
 from pdserve.model.parallel import Linear, TPGroup
 from pdserve.state.pools import LatentPool
+
+NAIVE_ROWS = 64  # the prefill attention's row granularity (`MLAAttention._naive`)
 
 
 def absorbed_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int,
@@ -99,6 +102,10 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(T, -1).to(x.dtype))
 
     def _naive(self, q: torch.Tensor, rows: torch.Tensor, context: int) -> torch.Tensor:
+        # rows padded (masked) to a multiple of NAIVE_ROWS: the softmax and the products that
+        # sum over rows then round alike for any length, so a query's output is the same whether
+        # its prompt is prefilled whole or in chunks (docs/design.md §6)
+        rows = F.pad(rows, (0, 0, 0, -rows.shape[0] % NAIVE_ROWS))
         T, L = q.shape[0], rows.shape[0]
         kv = (rows[:, :self.rank] @ self.kv_b_proj.weight.float().t()).view(
             L, self.heads, self.nope + self.v_dim)

@@ -15,7 +15,7 @@ from pdserve.model.kda import KDAAttention
 from pdserve.model.mla import MLAAttention
 from pdserve.model.moe import MLP, MoE
 from pdserve.model.norms import RMSNorm
-from pdserve.model.parallel import TPGroup, sharded
+from pdserve.model.parallel import TPGroup, matmul_rows, sharded
 from pdserve.state.pools import StatePools
 
 
@@ -123,5 +123,5 @@ class HybridModel(nn.Module):
         if logit_rows is not None:
             x = x[logit_rows]
         x = self.model.norm(x)
-        logits = x.float() @ self.lm_head.weight.float().t()
+        logits = matmul_rows(x.float(), self.lm_head.weight.float().t())
         return self.tp.all_gather_last(logits)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.parallel import Linear, TPGroup, sharded
+from pdserve.model.parallel import Linear, TPGroup, matmul_rows, sharded, vector_map
 
 
 class MLP(nn.Module):
@@ -37,7 +37,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, groups: i
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k]) for router logits [T, E]."""
     logits = logits.float()
-    scores = torch.sigmoid(logits) if func == "sigmoid" else torch.softmax(logits, dim=-1)
+    scores = vector_map(torch.sigmoid, logits) if func == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores if bias is None else scores + bias.float()
     if groups > 1:
         T, E = choice.shape
@@ -82,7 +82,7 @@ class MoE(nn.Module):
         its experts' outputs in ascending expert order and the unchosen terms add exact zeros,
         so both forms give the same sums (up to the expert matmuls' row count)."""
         c = self.cfg
-        logits = x.float() @ self.gate.weight.float().t()
+        logits = matmul_rows(x.float(), self.gate.weight.float().t())
         weights, ids = route(logits, getattr(self.gate, "e_score_correction_bias", None),
                              c.num_experts_per_token, c.num_expert_group, c.topk_group,
                              c.moe_router_activation_func, c.moe_renormalize,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -65,6 +66,36 @@ def shard_of(full: torch.Tensor, shard_dim: int | None, tp: TPGroup) -> torch.Te
     return full.chunk(tp.size, dim=shard_dim)[tp.rank]
 
 
+# On the CPU, MKL's sgemm takes other kernels for a few rows (1-3 on one thread, also 5-7 and
+# 9-11 with several), whose sums round differently from the many-row kernel. Products are
+# therefore computed on at least this many rows there, so a row's result does not depend on how
+# many rows share the call: a prompt prefilled in chunks, or beside other prompts, gets the same
+# bits as prefilled alone in one piece (docs/design.md §6).
+MIN_ROWS = 16
+
+
+def matmul_rows(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ w_t [in, out], each row computed alike whatever n is (see MIN_ROWS)."""
+    n = x.shape[0]
+    if n >= MIN_ROWS or x.device.type != "cpu" or x.dim() != 2:
+        return x @ w_t
+    return (F.pad(x, (0, 0, 0, MIN_ROWS - n)) @ w_t)[:n]
+
+
+# The CPU's element-wise kernels run an array's last (numel mod 2 vectors) elements by a scalar
+# path whose exp / sigmoid round differently: an array of narrow rows ([T, heads], [T, experts])
+# is mapped padded to a multiple of this many elements, so every element takes the vector path.
+VECTOR_ELEMENTS = 64
+
+
+def vector_map(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an element-wise `fn`, each element rounded alike wherever it sits in x."""
+    if x.device.type != "cpu" or x.numel() % VECTOR_ELEMENTS == 0:
+        return fn(x)
+    flat = x.reshape(-1)
+    return fn(F.pad(flat, (0, -flat.numel() % VECTOR_ELEMENTS)))[:flat.numel()].view(x.shape)
+
+
 class Linear(nn.Module):
     """y = x W^T with W [out, in]. `mode`: "column" (out split), "row" (in split, partial sums
     reduced across the group) or "replicated"."""
@@ -77,5 +108,5 @@ class Linear(nn.Module):
         self.tp, self.row, self.reduce = tp, mode == "row", reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.to(self.weight.dtype) @ self.weight.t()
+        y = matmul_rows(x.to(self.weight.dtype), self.weight.t())
         return self.tp.all_reduce(y) if self.row and self.reduce else y
