@@ -24,6 +24,7 @@ from typing import Literal, get_args, get_type_hints
 import msgspec
 
 from pdserve.model.config import PRESETS, ConfigError, ModelConfig, load_model_config
+from pdserve.prefill.scheduler import check_budget
 from pdserve.state.block_table import Topology
 from pdserve.state.layout import DTYPE_FIELDS, RankShapes, StateLayout, dtype_of
 from pdserve.transfer.errors import TopologyError
@@ -67,6 +68,9 @@ class PrefillSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_pages: int = 256
     num_slots: int = 16
     conv_layout: Literal["SD", "DS"] = "SD"    # vllm: VLLM_SSM_CONV_STATE_LAYOUT
+    # reference engine: prompt tokens per prefill step (chunked prefill), a multiple of 16;
+    # 0 = each prompt whole in one step (a long prompt then holds up every prompt behind it)
+    chunk_tokens: int = 64
     vllm: VllmSection = VllmSection()
 
 
@@ -190,6 +194,11 @@ def validate(cfg: ServeConfig) -> ModelConfig:
         if getattr(cfg.resources, field) < 0:
             raise ConfigError(f"resources.{field}", f"must be >= 0, got "
                               f"{getattr(cfg.resources, field)}")
+    if cfg.prefill.chunk_tokens:
+        try:
+            check_budget(cfg.prefill.chunk_tokens)
+        except ValueError as exc:
+            raise ConfigError("prefill.chunk_tokens", f"{exc} (0 = no chunking)") from None
     if not 0 < cfg.api.port < 65536:
         raise ConfigError("api.port", f"must be in 1..65535, got {cfg.api.port}")
     for field in DTYPE_FIELDS:
