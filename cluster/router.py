@@ -55,8 +55,12 @@ IDLE_POLL_S = 1.0
 
 
 class PrefillQueue:
-    """Batches requests for one prefill instance: a worker thread takes whatever is queued
-    (up to `max_batch`) and runs one prefill call for all of it."""
+    """Feeds one prefill instance: a worker thread takes whatever is queued (up to `max_batch`
+    new requests per call) and calls `prefill` on the instance's ranks, again and again while
+    any request is in progress there. A reference instance with a step budget prefills in
+    chunks, each call one step (`pdserve.prefill.scheduler`), so a request that arrives while a
+    long prompt prefills joins at the next step; an instance without one (or a vLLM engine)
+    finishes each call's requests within it."""
 
     def __init__(self, inst: Instance, max_batch: int = 16, idle_threads: int = 0,
                  decode_idle=lambda: False):
@@ -65,6 +69,7 @@ class PrefillQueue:
         self.inst, self.max_batch = inst, max_batch
         self.idle_threads, self.decode_idle = idle_threads, decode_idle
         self.pending_tokens = 0
+        self.steps = 0  # prefill calls made (steps, when chunked)
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"prefill-{inst.name}")
         self._thread.start()
@@ -76,37 +81,58 @@ class PrefillQueue:
         return fut
 
     def close(self) -> None:
+        """Stop taking requests; those already queued or in progress still finish."""
         self._q.put(None)
 
-    def _loop(self) -> None:
-        while True:
-            item = self._q.get()
+    def _take(self, wait: bool) -> tuple[list, bool]:
+        """Up to `max_batch` queued requests (waiting for one if `wait`), and whether `close`
+        was called."""
+        batch = []
+        while len(batch) < self.max_batch:
+            try:
+                item = self._q.get(block=wait and not batch)
+            except queue.Empty:
+                break
             if item is None:
-                return
-            batch = [item]
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._q.put(None)
-                    break
-                batch.append(nxt)
-            reqs = [r for r, _ in batch]
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _loop(self) -> None:
+        running: dict[str, tuple[Request, Future]] = {}  # in progress on the instance
+        closing = False
+        while True:
+            new = []
+            if not closing:
+                new, closing = self._take(wait=not running)
+            if not new and not running:
+                if closing:
+                    return
+                continue
+            running.update((r.request_id, (r, fut)) for r, fut in new)
             try:
                 threads = self.idle_threads if self.idle_threads and self.decode_idle() else None
-                per_rank = self.inst.ranks.call("prefill", reqs, self.inst.agents, threads)
-                for (_, fut), res in zip(batch, _agreed(self.inst.name, per_rank)):
+                per_rank = self.inst.ranks.call("prefill", [r for r, _ in new], self.inst.agents,
+                                                threads)
+                self.steps += 1
+                for res in _agreed(self.inst.name, per_rank):
+                    req, fut = running.pop(res.request_id)
+                    self.pending_tokens -= len(req.prompt)
                     fut.set_result(res)
             except Exception as exc:
                 exc = remote_cause(exc)
                 if isinstance(exc, InstanceLost):
                     self.inst.alive = False
-                for _, fut in batch:
+                else:  # the ranks still hold what was in progress: let them drop it
+                    for rid in running:
+                        try:
+                            self.inst.ranks.call("cancel", rid)
+                        except Exception:
+                            pass  # the instance is failing: nothing more to free there
+                for req, fut in running.values():
+                    self.pending_tokens -= len(req.prompt)
                     fut.set_exception(exc)
-            finally:
-                self.pending_tokens -= sum(len(r.prompt) for r in reqs)
+                running.clear()
 
 
 def _state_ids(res):
@@ -116,12 +142,15 @@ def _state_ids(res):
 
 def _agreed(instance: str, per_rank: list) -> list:
     """Rank 0's results, where every TP rank holds the request's state under the same page and
-    slot ids (the manifest carries rank 0's for all); a request whose ranks disagree gets an
-    error result instead of a handle that would read another request's state."""
+    slot ids (the manifest carries rank 0's for all); a request whose ranks disagree (or that
+    another rank did not finish in this call) gets an error result instead of a handle that
+    would read another request's state."""
     out = []
-    for i, res in enumerate(per_rank[0]):
+    others = [{r.request_id: r for r in rank} for rank in per_rank[1:]]
+    for res in per_rank[0]:
         ids = _state_ids(res)
-        bad = [r for r, other in enumerate(per_rank[1:], 1) if _state_ids(other[i]) != ids]
+        bad = [r for r, other in enumerate(others, 1)
+               if res.request_id not in other or _state_ids(other[res.request_id]) != ids]
         if bad:
             res = PrefillResult(res.request_id, error=(
                 f"prefill instance {instance}: TP ranks {bad} hold request {res.request_id}'s "

@@ -95,7 +95,7 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
                 "prefill", f"prefill-{i}", 0, cfg.prefill.tp,
                 dict(common, layout=cfg.layout(cfg.prefill.conv_layout),
                      num_pages=cfg.prefill.num_pages, num_slots=cfg.prefill.num_slots,
-                     lease_s=cfg.transfer.lease_s,
+                     lease_s=cfg.transfer.lease_s, chunk_tokens=cfg.prefill.chunk_tokens or None,
                      # pages laid out per decode DCP rank: one read per rank and layer
                      decode_topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave)),
                 res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
