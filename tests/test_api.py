@@ -173,9 +173,10 @@ BAD = [
     ("completions", {"prompt": "x"}, "model is required"),
     ("completions", {"model": "gpt-9", "prompt": "x"}, "model 'gpt-9' is not served"),
     ("completions", {"model": MODEL}, "prompt is required"),
-    ("completions", {"model": MODEL, "prompt": 5}, "prompt must be a string or list of token ids"),
-    ("completions", {"model": MODEL, "prompt": ["a", "b"]},
-     "prompt must be a string or list of token ids"),
+    ("completions", {"model": MODEL, "prompt": 5}, "prompt must be a string, a list of token"),
+    ("completions", {"model": MODEL, "prompt": ["a", 5]}, "prompt must be a string, a list of"),
+    ("completions", {"model": MODEL, "prompt": []}, "prompt must be a string, a list of token"),
+    ("completions", {"model": MODEL, "prompt": ["a", ""]}, "prompt[1] must not be empty"),
     ("completions", {"model": MODEL, "prompt": ""}, "prompt must not be empty"),
     ("completions", {"model": MODEL, "prompt": [1, 300]}, "prompt token ids [300]"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
@@ -184,15 +185,32 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9},
      "max_tokens=1000000000 plus the prompt's 1 tokens exceeds the model's maximum context of"),
     ("completions", {"model": MODEL, "prompt": "x" * 20000},
+     "prompt has 20000 characters; the model's maximum context of 16320 tokens holds at most 16320"),
+    ("completions", {"model": MODEL, "prompt": ["x", "y" * 20000]},
+     "prompt[1] has 20000 characters"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 20000}]},
+     "messages has 20000 characters"),
+    ("completions", {"model": MODEL, "prompt": [120] * 20000},
      "the prompt has 20000 tokens; the model's maximum context is"),
     ("completions", {"model": MODEL, "prompt": "x", "temperature": -1},
      "temperature must be in 0..2, got -1"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, "top_p must be in (0, 1]"),
     ("completions", {"model": MODEL, "prompt": "x", "top_k": -2}, "top_k must be >= 0"),
     ("completions", {"model": MODEL, "prompt": "x", "seed": "s"}, "seed: Expected"),
-    ("completions", {"model": MODEL, "prompt": "x", "n": 2}, "n=2 is not supported"),
-    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 1}, "logprobs=1 is not supported"),
-    ("completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo=True is not supported"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 0}, "n must be in 1..64, got 0"),
+    ("completions", {"model": MODEL, "prompt": ["x"] * 9, "n": 8}, "9 prompts x n=8 choices"),
+    ("completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of=3 (other than n)"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs must be in 0..20"),
+    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5},
+     "presence_penalty must be in -2..2"),
+    ("completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3},
+     "frequency_penalty must be in -2..2"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": 5}},
+     "logit_bias is not supported by this server"),
+    ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"},
+     "suffix is not supported by this server"),
+    ("completions", {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}},
+     "response_format of type 'json_object' is not supported by this server"),
     ("completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream: Expected"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": [1]}, "stop[0]: Expected"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": ""}, "stop[0] must be a non-empty"),
@@ -200,7 +218,7 @@ BAD = [
      "stop has 100000 strings; at most 16"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": ["y" * 300]},
      "stop[0] has 300 characters; at most 256"),
-    ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix: unknown"),
+    ("completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, "frobnicate: unknown"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options is only allowed with stream=true"),
     ("chat/completions", {"model": MODEL}, "messages is required"),
@@ -218,9 +236,25 @@ BAD = [
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                           "max_completion_tokens": 0}, "max_completion_tokens must be >= 1"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                          "tools": []}, "tools: unknown"),
+                          "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools is not supported by this server"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                          "logprobs": True}, "logprobs=True is not supported"),
+                          "tool_choice": "auto"}, "tool_choice is not supported by this server"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                          "functions": [{"name": "f"}]}, "functions is not supported"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                          "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format of type 'json_schema' is not supported by this server"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "a",
+                                                        "tool_call_id": "c1"}]},
+     "messages[0].role 'tool': tools are not supported by this server"),
+    ("chat/completions", {"model": MODEL, "messages": [
+        {"role": "assistant", "content": "a", "tool_calls": [{"id": "c1"}]}]},
+     "messages[0].tool_calls is not supported by this server"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                          "top_logprobs": 3}, "top_logprobs needs logprobs=true"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                          "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in 0..20"),
 ]
 
 
@@ -417,7 +451,7 @@ def test_health_is_503_when_the_backend_is_down(model):
 # -- tokenizers ---------------------------------------------------------------------------------
 def test_byte_tokenizer_for_the_byte_vocabulary():
     tok = load_tokenizer(MODEL, 256)
-    assert tok.chat_prompt([("user", "hé")]) == list("<|user|>\nhé\n<|assistant|>\n".encode())
+    assert tok.chat_prompt([{"role": "user", "content": "hé"}]) == list("<|user|>\nhé\n<|assistant|>\n".encode())
     with pytest.raises(ValueError, match="no tokenizer.json"):
         load_tokenizer("kimi-linear-48b-a3b", 163840)
 
@@ -439,9 +473,9 @@ def test_hf_tokenizer_from_model_directory(tmp_path):
     hf = load_tokenizer(str(tmp_path), vocab_size=16)
     assert hf.encode("hello world !") == [4, 5, 6]
     assert hf.decode([4, 3, 5]) == "hello world"
-    assert hf.chat_prompt([("user", "hello")]) == [1, 4, 3, 5]
+    assert hf.chat_prompt([{"role": "user", "content": "hello"}]) == [1, 4, 3, 5]
     with pytest.raises(ValueError, match="chat template refused them: user first"):
-        hf.chat_prompt([("system", "hello")])
+        hf.chat_prompt([{"role": "system", "content": "hello"}])
     assert hf.stop_token_ids == [2, 3] and hf.vocab_size == 16
     with pytest.raises(ValueError, match="vocab_size is only 4"):
         load_tokenizer(str(tmp_path), vocab_size=4)

@@ -184,7 +184,7 @@ def test_oversized_chunked_body_is_413():
         at_limit = COMPLETION % json.dumps("y" * (SMALL_BODY - len(COMPLETION))).encode()
         assert len(at_limit) <= SMALL_BODY
         r = post(srv.url, "completions", at_limit)  # a body within the limit is parsed as usual
-        assert_error(r, 400, "the prompt has", param="prompt")
+        assert_error(r, 400, "prompt has", param="prompt")
         assert_idle(srv)
 
 
@@ -272,9 +272,9 @@ def test_wrong_method_is_405_in_openai_shape(main, method, path, allow):
     ({"max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
     ({"seed": 2**64}, "seed", "seed must be a signed 64-bit integer"),
     ({"seed": -2**63 - 1}, "seed", "seed must be a signed 64-bit integer"),
-    ({"presence_penalty": 1.5}, "presence_penalty", "presence_penalty=1.5 is not supported"),
-    ({"frequency_penalty": -2.0}, "frequency_penalty", "frequency_penalty=-2.0 is not supported"),
-    ({"n": 0}, "n", "n=0 is not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in -2..2, got 2.5"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty", "frequency_penalty must be in -2..2"),
+    ({"n": 0}, "n", "n must be in 1..64, got 0"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
 def test_out_of_range_sampling_is_400_naming_the_field(main, params, field, words):
     oai = openai.OpenAI(base_url=main.url + "/v1", api_key="unused", max_retries=0)

@@ -16,17 +16,28 @@ UTF-8 and JSON nested past the parser's depth limit are 400s. Unknown paths (404
 
 Sampling follows OpenAI: `temperature` defaults to 1.0 (send 0 for greedy) and lies in 0..2,
 `top_p` defaults to 1.0 and lies in (0, 1]; `seed` (a signed 64-bit integer) makes sampling
-reproducible. Extensions, spelled as in vLLM: `top_k` (0..vocabulary size, 0 = off),
+reproducible; `presence_penalty` and `frequency_penalty` (-2..2). `n` samples per prompt and a
+list of prompts run as one backend request per choice (choice i*n + j: prompt i, sample j, whose
+seed is derived from `seed` and j). `logprobs` (completions: 0..20 alternatives; chat: `logprobs`
++ `top_logprobs`), `echo` with the prompt's logprobs, `stream_options` (`include_usage`,
+`continuous_usage_stats`) and `response_format` {"type": "text"}; `user`, `metadata`, `store`,
+`service_tier` are accepted and change nothing. OpenAI fields not implemented (`tools`,
+`tool_choice`, JSON modes, `logit_bias`, `suffix`, ...) are a 400 that names them. A chat
+without `max_tokens` runs to EOS or the end of the context; a completion stops after
+`default_max_tokens` (16, OpenAI's). A text prompt longer than the context could hold in any
+tokenization (`Tokenizer.max_token_chars` characters per token) is refused before it is
+tokenized. Extensions, spelled as in vLLM: `top_k` (0..vocabulary size, 0 = off),
 `ignore_eos`, and `return_token_ids` (each choice or chunk then carries the output `token_ids`).
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -38,9 +49,10 @@ from starlette.responses import Response, StreamingResponse
 
 from pdserve.api.backend import (BackendUnavailable, BadRequest, DeadlineExceeded,
                                  GenerationBackend, Overloaded, TokenEvent)
+from pdserve.api.logprobs import LogprobWriter, merge
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.tokenizer import TextStream, Tokenizer
-from pdserve.model.sampling import Request, SamplingParams
+from pdserve.model.sampling import MAX_LOGPROBS, Request, SamplingParams
 
 log = logging.getLogger("pdserve.api")
 
@@ -83,11 +95,13 @@ def _bad(message: str, param: str) -> ApiError:
 
 # -- request bodies ---------------------------------------------------------------------------
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool = False           # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # every chunk carries the usage so far (vLLM's)
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields both endpoints take. Unknown fields are errors, not silently ignored."""
+    """Fields both endpoints take. Unknown fields are errors, not silently ignored; OpenAI fields
+    this server does not implement are declared, so that the 400 can say so (`_UNSUPPORTED`)."""
 
     model: str
     max_tokens: int | None = None
@@ -96,38 +110,66 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None          # extension: 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     ignore_eos: bool = False          # extension
     return_token_ids: bool = False    # extension
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: Any = None       # {"type": "text"} only
+    # Accepted; they do not change what is generated.
     user: str | None = None
-    # Unsupported, but accepted at their no-op values because clients send those explicitly.
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Not implemented: refused by name unless at their no-op value.
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionBody(_Body, kw_only=True):
     prompt: Any  # checked by hand so the error can say what a prompt may be
-    echo: bool | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    echo: bool = False
+    logprobs: int | None = None       # the top-k alternatives per token (OpenAI: 0..5)
+    best_of: int | None = None        # only equal to n
+    suffix: str | None = None
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: str
-    content: Any  # a string or a list of text parts; checked by hand
+    content: Any = None  # a string or a list of text parts; checked by hand
+    name: str | None = None  # given to the chat template; the simple template leaves it out
+    refusal: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
 
 
 class ChatBody(_Body, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
 
-_NO_OP_VALUES = {"n": 1, "best_of": 1, "echo": False, "logprobs": False,
-                 "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# field -> what it may be set to here (what every client sends when it means "off")
+_UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "audio": (),
+    "prediction": (), "reasoning_effort": (), "web_search_options": (),
+}
 _ROLES = ("system", "developer", "user", "assistant")
+MAX_CHOICES = 64  # n x prompts: each is a request of its own
 
 
 def _decode(raw: bytes, kind: type[_Body]) -> _Body:
@@ -156,11 +198,22 @@ def _decode(raw: bytes, kind: type[_Body]) -> _Body:
                    "deeply", None) from None
 
 
-def _check_no_ops(body: _Body) -> None:
-    for field, no_op in _NO_OP_VALUES.items():
+def _check_unsupported(body: _Body) -> None:
+    """A 400 naming the first OpenAI field set to something this server does not implement."""
+    for field, no_ops in _UNSUPPORTED.items():
         value = getattr(body, field, None)
-        if value is not None and (type(value) is not type(no_op) or value != no_op):
-            raise _bad(f"{field}={value!r} is not supported by this server", field)
+        if value is not None and value not in no_ops:
+            raise _bad(f"{field} is not supported by this server", field)
+    fmt = body.response_format
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else type(fmt).__name__
+        raise _bad(f"response_format of type {kind!r} is not supported by this server (only "
+                   "'text')", "response_format")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise _bad(f"n must be in 1..{MAX_CHOICES}, got {body.n}", "n")
+    if isinstance(body, CompletionBody) and body.best_of not in (None, body.n):
+        raise _bad(f"best_of={body.best_of} (other than n) is not supported by this server",
+                   "best_of")
 
 
 def _check_sampling(body: _Body, vocab_size: int) -> None:
@@ -178,36 +231,80 @@ def _check_sampling(body: _Body, vocab_size: int) -> None:
         raise _bad(f"seed must be a signed 64-bit integer, got {body.seed}", "seed")
 
 
-def _completion_prompt(prompt: Any, tokenizer: Tokenizer) -> list[int]:
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        ids = prompt
+def _logprobs(body: _Body) -> int | None:
+    """How many alternatives per token the request wants (None: no logprobs)."""
+    if isinstance(body, CompletionBody):
+        k, field = body.logprobs, "logprobs"
     else:
-        raise _bad("prompt must be a string or list of token ids (one prompt per request)",
-                   "prompt")
+        k, field = body.top_logprobs, "top_logprobs"
+        if k is not None and not body.logprobs:
+            raise _bad("top_logprobs needs logprobs=true", "top_logprobs")
+        if body.logprobs and k is None:
+            k = 0
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise _bad(f"{field} must be in 0..{MAX_LOGPROBS}, got {k}", field)
+    return k
+
+
+def _choice_seed(seed: int | None, j: int) -> int | None:
+    """Choice j's seed: the request's for choice 0 (so n=1 and choice 0 agree), one derived
+    from it for the others (so their draws differ)."""
+    if seed is None or j == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:choice:{j}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") - 2**63
+
+
+def _prompt_texts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, a list of token ids, or a list of
+    either."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(type(t) is int for t in prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p))
+            for p in prompt):
+        return prompt
+    raise _bad("prompt must be a string, a list of token ids, or a list of strings or of "
+               "token-id lists", "prompt")
+
+
+def _completion_prompt(prompt: str | list[int], tokenizer: Tokenizer, where: str) -> list[int]:
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     if not ids:
-        raise _bad("prompt must not be empty", "prompt")
+        raise _bad(f"{where} must not be empty", "prompt")
     bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
-        raise _bad(f"prompt token ids {bad[:5]} are outside the vocabulary of "
+        raise _bad(f"{where} token ids {bad[:5]} are outside the vocabulary of "
                    f"{tokenizer.vocab_size}", "prompt")
     return ids
 
 
-def _chat_messages(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
     if not messages:
         raise _bad("messages must contain at least one message", "messages")
     out = []
     for i, m in enumerate(messages):
+        if m.role in ("tool", "function"):
+            raise _bad(f"messages[{i}].role {m.role!r}: tools are not supported by this server",
+                       f"messages[{i}].role")
         if m.role not in _ROLES:
             raise _bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {m.role!r}",
                        f"messages[{i}].role")
-        out.append((m.role, _message_text(m.content, f"messages[{i}].content")))
+        for field in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(m, field) is not None:
+                raise _bad(f"messages[{i}].{field} is not supported by this server (no tools)",
+                           f"messages[{i}].{field}")
+        message = {"role": m.role, "content": _message_text(m.content, f"messages[{i}].content")}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
     return out
 
 
 def _message_text(content: Any, where: str) -> str:
+    if content is None:
+        raise _bad(f"{where} is required", where)
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -244,17 +341,29 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 
 @dataclass
+class _Choice:
+    """One choice of a request: a prompt and the sampling of one of its `n` samples; each runs
+    as a backend request of its own."""
+
+    index: int
+    request: Request
+
+
+@dataclass
 class _Job:
     """A validated request, ready for the backend."""
 
     id: str
     chat: bool
-    prompt: list[int]
-    params: SamplingParams
+    choices: list[_Choice]
+    prompt_tokens: int    # each prompt counted once, as in OpenAI's usage
     stops: list[str]
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     token_ids: bool
+    echo: bool
+    logprobs: int | None  # alternatives per token; None: no logprobs
     created: int
 
 
@@ -303,36 +412,72 @@ class _Api:
         if body.model != self.backend.model_name:
             raise _bad(f"model {body.model!r} is not served here; this server serves "
                        f"{self.backend.model_name!r}", "model")
-        _check_no_ops(body)
+        _check_unsupported(body)
         _check_sampling(body, self.tokenizer.vocab_size)
         if body.stream_options is not None and not body.stream:
             raise _bad("stream_options is only allowed with stream=true", "stream_options")
+        logprobs = _logprobs(body)
         if chat:
             messages = _chat_messages(body.messages)
+            self._check_length(sum(len(m["content"]) for m in messages), "messages", "messages")
             try:
-                prompt = self.tokenizer.chat_prompt(messages)
+                prompts = [self.tokenizer.chat_prompt(messages)]
             except ValueError as exc:  # e.g. a model's template insists roles alternate
                 raise _bad(f"messages: {exc}", "messages") from None
-            prompt_field = "messages"
+            field = "messages"
         else:
-            prompt = _completion_prompt(body.prompt, self.tokenizer)
-            prompt_field = "prompt"
-        max_tokens = self._max_tokens(body, chat, prompt, prompt_field)
+            texts = _prompt_texts(body.prompt)
+            if len(texts) * body.n > MAX_CHOICES:
+                raise _bad(f"{len(texts)} prompts x n={body.n} choices: at most {MAX_CHOICES} "
+                           "per request", "n" if body.n > 1 else "prompt")
+            prompts = []
+            for i, text in enumerate(texts):
+                where = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+                if isinstance(text, str):  # bounded before the tokenizer sees it
+                    self._check_length(len(text), where, "prompt")
+                prompts.append(_completion_prompt(text, self.tokenizer, where))
+            field = "prompt"
+        echo = not chat and body.echo
+        job_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices = []
+        for i, prompt in enumerate(prompts):
+            max_tokens = self._max_tokens(body, chat, prompt, field)
+            for j in range(body.n):
+                index = i * body.n + j
+                params = self._params(body, max_tokens, _choice_seed(body.seed, j), logprobs,
+                                      logprobs if echo else None)
+                rid = job_id if len(prompts) * body.n == 1 else f"{job_id}-{index}"
+                choices.append(_Choice(index, Request(rid, prompt, params)))
+        options = body.stream_options or StreamOptions()
+        return _Job(job_id, chat, choices, sum(map(len, prompts)), _stops(body.stop),
+                    body.stream, options.include_usage, options.continuous_usage_stats,
+                    body.return_token_ids, echo, logprobs, int(time.time()))
+
+    def _params(self, body: _Body, max_tokens: int, seed: int | None, logprobs: int | None,
+                prompt_logprobs: int | None) -> SamplingParams:
         try:
-            params = SamplingParams(max_tokens=max_tokens,
-                                    temperature=_default(body.temperature, 1.0),
-                                    top_k=_default(body.top_k, 0), top_p=_default(body.top_p, 1.0),
-                                    seed=body.seed,
-                                    stop_token_ids=self.tokenizer.stop_token_ids,
-                                    ignore_eos=body.ignore_eos)
+            return SamplingParams(max_tokens=max_tokens,
+                                  temperature=_default(body.temperature, 1.0),
+                                  top_k=_default(body.top_k, 0), top_p=_default(body.top_p, 1.0),
+                                  seed=seed, stop_token_ids=self.tokenizer.stop_token_ids,
+                                  ignore_eos=body.ignore_eos,
+                                  presence_penalty=_default(body.presence_penalty, 0.0),
+                                  frequency_penalty=_default(body.frequency_penalty, 0.0),
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:  # its messages start with the field name
             raise _bad(str(exc), str(exc).split()[0]) from None
-        return _Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, prompt, params,
-                    _stops(body.stop), body.stream,
-                    body.stream_options is not None and body.stream_options.include_usage,
-                    body.return_token_ids, int(time.time()))
+
+    def _check_length(self, chars: int, where: str, field: str) -> None:
+        """A text too long for the context in any tokenization is refused before the tokenizer
+        runs: it takes at least chars / max_token_chars tokens."""
+        limit = self.backend.max_context * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise _bad(f"{where} has {chars} characters; the model's maximum context of "
+                       f"{self.backend.max_context} tokens holds at most {limit}", field)
 
     def _max_tokens(self, body: _Body, chat: bool, prompt: list[int], prompt_field: str) -> int:
+        """The request's limit; without one, OpenAI's: a chat runs to EOS or the context's end,
+        a completion stops after `default_max_tokens`."""
         field, value = "max_tokens", body.max_tokens
         if chat and body.max_completion_tokens is not None:
             field, value = "max_completion_tokens", body.max_completion_tokens
@@ -346,7 +491,9 @@ class _Api:
         if value is not None and value > room:
             raise _bad(f"{field}={value} plus the prompt's {len(prompt)} tokens exceeds the "
                        f"model's maximum context of {limit} tokens", field)
-        return value if value is not None else min(self.default_max_tokens, room)
+        if value is not None:
+            return value
+        return room if chat else min(self.default_max_tokens, room)
 
     async def body(self, http: HttpRequest) -> bytes:
         """The body, read no further than `max_body` bytes and for no longer than
@@ -388,34 +535,41 @@ class _Api:
             track.done("cancelled")
             return Response(status_code=499)
         deadline = asyncio.get_running_loop().time() + self.timeout
-        events = self.backend.generate(Request(job.id, job.prompt, job.params), self.timeout)
+        streams = [self.backend.generate(c.request, self.timeout) for c in job.choices]
+
+        async def close_all():
+            for events in streams:
+                await events.aclose()
         try:
-            first = await _unless_disconnected(http, _next_event(events, deadline))
-        except (Overloaded, BackendUnavailable) as exc:
-            track.done("rejected")
-            status = 429 if isinstance(exc, Overloaded) else 503
-            raise ApiError(status, str(exc), retry_after=exc.retry_after) from None
-        except BadRequest as exc:
-            track.done("invalid")
-            raise ApiError(exc.status, str(exc)) from None
-        except _Failed as exc:
-            track.done("error")
-            raise ApiError(exc.status, str(exc)) from None
-        except _ClientGone:
-            track.done("cancelled")
-            return Response(status_code=499)  # nobody reads it; 499 = client closed request
-        except Exception:
+            firsts = await _unless_disconnected(
+                http, _all(_next_event(events, deadline) for events in streams))
+        except BaseException as exc:
+            await close_all()
+            if isinstance(exc, (Overloaded, BackendUnavailable)):
+                track.done("rejected")
+                status = 429 if isinstance(exc, Overloaded) else 503
+                raise ApiError(status, str(exc), retry_after=exc.retry_after) from None
+            if isinstance(exc, BadRequest):
+                track.done("invalid")
+                raise ApiError(exc.status, str(exc)) from None
+            if isinstance(exc, _Failed):
+                track.done("error")
+                raise ApiError(exc.status, str(exc)) from None
+            if isinstance(exc, _ClientGone):
+                track.done("cancelled")
+                return Response(status_code=499)  # nobody reads it; 499 = client closed request
             track.done("error")
             raise
-        track.prompt(len(job.prompt))
+        track.prompt(job.prompt_tokens)
+        runs = [_Run(c, first, events, LogprobWriter(self.tokenizer, chat))
+                for c, first, events in zip(job.choices, firsts, streams)]
         if job.stream:
             async def cleanup():  # for a stream that ends before its body ever ran
-                await events.aclose()
+                await close_all()
                 track.done("cancelled")  # no-op when the stream counted its outcome
-            return _ClosingStream(self._sse(job, first, events, deadline, track), cleanup)
+            return _ClosingStream(self._sse(job, runs, deadline, track), cleanup)
         try:
-            body = await _unless_disconnected(
-                http, self._collect(job, first, events, deadline, track))
+            body = await _unless_disconnected(http, self._collect(job, runs, deadline, track))
         except _Failed as exc:
             track.done("error")
             raise ApiError(exc.status, str(exc)) from None
@@ -425,58 +579,93 @@ class _Api:
         except Exception:
             track.done("error")
             raise
+        finally:
+            await close_all()  # a stop string ends the request before the backend does
         track.done("ok")
         return _json(body)
 
-    async def _pieces(self, job: _Job, first: TokenEvent, events: AsyncIterator[TokenEvent],
-                      deadline: float, track) -> AsyncIterator[tuple[str, list[int], str | None]]:
-        """(text delta, new token ids, finish reason) until the request finishes."""
+    async def _pieces(self, job: _Job, run: "_Run", deadline: float, track
+                      ) -> AsyncIterator[tuple[str, list[int], list, str | None]]:
+        """(text delta, new token ids, their logprobs, finish reason) until the choice ends."""
         text = TextStream(self.tokenizer, job.stops)
-        ev = first
+        ev = run.first
         while True:
             if ev.finish_reason in ("error", "cancelled"):
                 raise _Failed(ev.error or "the backend cancelled the request", _status(ev.exc))
-            ids, delta = [], ""
+            ids, delta, entries = [], "", []
             if ev.token is not None:
                 track.token()
                 ids, delta = [ev.token], text.push(ev.token)
+                entries = [ev.logprob]
             finish = "stop" if text.stopped else ev.finish_reason
+            run.generated += len(ids)
             if finish is not None:
-                yield delta + text.flush(), ids, finish
+                yield delta + text.flush(), ids, entries, finish
                 return
-            yield delta, ids, None
-            ev = await _next_event(events, deadline)
+            yield delta, ids, entries, None
+            ev = await _next_event(run.events, deadline)
 
-    async def _collect(self, job, first, events, deadline, track) -> dict:
-        text, ids = [], []
-        try:
-            async for delta, new, finish in self._pieces(job, first, events, deadline, track):
-                text.append(delta)
-                ids += new
-        finally:
-            await events.aclose()  # a stop string ends the request before the backend does
+    def _echo(self, job: _Job, run: "_Run") -> tuple[str, dict | None]:
+        """An echoed prompt's text and logprobs piece (completions with `echo`)."""
+        prompt = run.choice.request.prompt
+        if job.logprobs is None:
+            return self.tokenizer.decode(prompt), None
+        entries = run.first.prompt_logprobs or [None] * len(prompt)
+        return self.tokenizer.decode(prompt), run.writer.piece(prompt, entries)
+
+    async def _collect_one(self, job: _Job, run: "_Run", deadline: float, track) -> dict:
+        text, ids, pieces = [], [], []
+        if job.echo:
+            prompt_text, piece = self._echo(job, run)
+            text.append(prompt_text)
+            pieces += [piece] if piece else []
+        async for delta, new, entries, finish in self._pieces(job, run, deadline, track):
+            text.append(delta)
+            ids += new
+            if job.logprobs is not None and new:
+                pieces.append(run.writer.piece(new, entries))
         if job.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}}
+            choice = {"index": run.choice.index,
+                      "message": {"role": "assistant", "content": "".join(text)}}
         else:
-            choice = {"index": 0, "text": "".join(text)}
-        choice |= {"logprobs": None, "finish_reason": finish}
+            choice = {"index": run.choice.index, "text": "".join(text)}
+        choice |= {"logprobs": None if job.logprobs is None else merge(pieces, job.chat),
+                   "finish_reason": finish}
         if job.token_ids:
             choice["token_ids"] = ids
-        return self._envelope(job, choice, final=True) | {"usage": _usage(job, len(ids))}
+        return choice
 
-    async def _sse(self, job, first, events, deadline, track) -> AsyncIterator[bytes]:
-        outcome, generated = "cancelled", 0
+    async def _collect(self, job: _Job, runs: list["_Run"], deadline: float, track) -> dict:
+        choices = await _all(self._collect_one(job, r, deadline, track) for r in runs)
+        return self._envelope(job, sorted(choices, key=lambda c: c["index"]), final=True) \
+            | {"usage": _usage(job, runs)}
+
+    async def _chunks(self, job: _Job, run: "_Run", deadline: float, track
+                      ) -> AsyncIterator[dict]:
+        """One choice's stream chunks."""
+        if job.chat:
+            yield self._chunk(job, run, {"role": "assistant", "content": ""}, [], None, None)
+        if job.echo:
+            prompt_text, piece = self._echo(job, run)
+            yield self._chunk(job, run, prompt_text, [], piece, None)
+        async for delta, ids, entries, finish in self._pieces(job, run, deadline, track):
+            piece = run.writer.piece(ids, entries) if job.logprobs is not None and ids else None
+            if delta or finish or (ids and (job.token_ids or piece)):
+                content = ({"content": delta} if delta else {}) if job.chat else delta
+                yield self._chunk(job, run, content, ids, piece, finish)
+
+    async def _sse(self, job: _Job, runs: list["_Run"], deadline: float, track
+                   ) -> AsyncIterator[bytes]:
+        outcome = "cancelled"
         try:
-            if job.chat:
-                yield _event(self._chunk(job, {"role": "assistant", "content": ""}, [], None))
-            async for delta, ids, finish in self._pieces(job, first, events, deadline, track):
-                generated += len(ids)
-                if delta or finish or (ids and job.token_ids):
-                    content = ({"content": delta} if delta else {}) if job.chat else delta
-                    yield _event(self._chunk(job, content, ids, finish))
+            async with aclosing(_merged([self._chunks(job, r, deadline, track) for r in runs])
+                                ) as chunks:
+                async for chunk in chunks:
+                    if job.continuous_usage:
+                        chunk["usage"] = _usage(job, runs)
+                    yield _event(chunk)
             if job.include_usage:
-                yield _event(self._envelope(job, None, final=False)
-                             | {"usage": _usage(job, generated)})
+                yield _event(self._envelope(job, [], final=False) | {"usage": _usage(job, runs)})
             outcome = "ok"
         except _Failed as exc:
             outcome = "error"
@@ -486,25 +675,27 @@ class _Api:
             outcome = "error"
             raise
         finally:
-            await events.aclose()
+            for r in runs:
+                await r.events.aclose()
             track.done(outcome)
         yield b"data: [DONE]\n\n"
 
-    def _chunk(self, job: _Job, content, ids: list[int], finish: str | None) -> dict:
+    def _chunk(self, job: _Job, run: "_Run", content, ids: list[int], logprobs: dict | None,
+               finish: str | None) -> dict:
         if job.chat:
-            choice = {"index": 0, "delta": content}
+            choice = {"index": run.choice.index, "delta": content}
         else:
-            choice = {"index": 0, "text": content}
-        choice |= {"logprobs": None, "finish_reason": finish}
+            choice = {"index": run.choice.index, "text": content}
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
         if job.token_ids:
             choice["token_ids"] = ids
-        return self._envelope(job, choice, final=False)
+        return self._envelope(job, [choice], final=False)
 
-    def _envelope(self, job: _Job, choice: dict | None, final: bool) -> dict:
+    def _envelope(self, job: _Job, choices: list[dict], final: bool) -> dict:
         kind = ("chat.completion" if final else "chat.completion.chunk") if job.chat \
             else "text_completion"
         return {"id": job.id, "object": kind, "created": job.created,
-                "model": self.backend.model_name, "choices": [] if choice is None else [choice]}
+                "model": self.backend.model_name, "choices": choices}
 
     def health(self) -> Response:
         reason = self.backend.health()
@@ -533,9 +724,70 @@ def _default(value, default):
     return default if value is None else value
 
 
-def _usage(job: _Job, generated: int) -> dict:
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": generated,
-            "total_tokens": len(job.prompt) + generated}
+@dataclass
+class _Run:
+    """A choice in flight: its first event, its event stream, its logprobs writer, and how
+    many tokens it generated so far."""
+
+    choice: _Choice
+    first: TokenEvent
+    events: AsyncIterator[TokenEvent]
+    writer: LogprobWriter
+    generated: int = 0
+
+
+def _usage(job: _Job, runs: list[_Run]) -> dict:
+    generated = sum(r.generated for r in runs)
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": job.prompt_tokens + generated}
+
+
+async def _all(work) -> list:
+    """Await every awaitable of `work` concurrently; the first failure cancels the rest (and
+    waits for them to unwind) before it is raised."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+
+
+_END = object()
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async iterators as they come; the first failure is raised (the
+    others are cancelled)."""
+    if len(streams) == 1:  # nothing to interleave
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def drain(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(_END)
+        except Exception as exc:
+            await queue.put(exc)
+    tasks = [asyncio.ensure_future(drain(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
 
 
 async def _next_event(events: AsyncIterator[TokenEvent], deadline: float) -> TokenEvent:

@@ -1,7 +1,7 @@
 """Text <-> token ids for the API: prompts, chat templates, and streamed text with stop strings.
 
 Two tokenizers share one small interface (`encode`, `decode`, `chat_prompt`, `vocab_size`,
-`stop_token_ids`, `backend`): the byte-level one of the `tiny` preset, and a Hugging Face
+`stop_token_ids`, `backend`, `max_token_chars`): the byte-level one of the `tiny` preset, and a Hugging Face
 `tokenizer.json` loaded with the `tokenizers` package (no transformers). Both decode through a
 `tokenizers.Tokenizer` (`backend`), so `TextStream` streams text for either with
 `tokenizers.decoders.DecodeStream`. Stopping on the model's EOS is the engine's job (it reads
@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 
 log = logging.getLogger("pdserve.api")
 
-Message = tuple[str, str]  # (role, content)
+Message = dict  # {"role", "content"} and optionally "name", as chat templates take them
 
 
 class Tokenizer(Protocol):
@@ -26,16 +26,19 @@ class Tokenizer(Protocol):
     stop_token_ids: list[int]  # end tokens beyond the model config's eos_token_id
     backend: object            # the `tokenizers.Tokenizer` that decodes (and streams) the ids
     skip_special_tokens: bool  # whether decoded text leaves special tokens out
+    max_token_chars: int       # the most characters one token stands for: a text of n
+                               # characters is at least n / max_token_chars tokens
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token: int) -> bytes: ...  # what one token stands for
     def chat_prompt(self, messages: list[Message]) -> list[int]: ...
 
 
 def simple_chat_template(messages: list[Message]) -> str:
     """The documented template for models without one: "<|role|>\\ncontent\\n" per message,
     then "<|assistant|>\\n" to prompt the reply."""
-    return "".join(f"<|{role}|>\n{content}\n" for role, content in messages) + "<|assistant|>\n"
+    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
 def _byte_chars() -> dict[int, str]:
@@ -68,6 +71,7 @@ class ByteLevelTokenizer:
     vocab_size = 256
     stop_token_ids: list[int] = []
     skip_special_tokens = False  # there are none
+    max_token_chars = 1
 
     @property
     def backend(self):
@@ -81,6 +85,9 @@ class ByteLevelTokenizer:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are not bytes")
         return self.backend.decode(list(ids))
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token])
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         return self.encode(simple_chat_template(messages))
@@ -99,6 +106,9 @@ class HFTokenizer:
             raise ValueError(f"{directory}/tokenizer.json has {self._tok.get_vocab_size()} tokens; "
                              f"the model's vocab_size is only {vocab_size}")
         self.vocab_size = vocab_size
+        # a vocabulary entry spells its token with at least as many characters as the token
+        # decodes to (byte-level BPE: one per byte; added tokens: as they are typed)
+        self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)))
         config = _read_json(directory / "tokenizer_config.json")
         self._bos = _token_text(config.get("bos_token"))
         self._eos = _token_text(config.get("eos_token"))
@@ -119,6 +129,9 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode([token]).encode()
+
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         if self._template is None:
             return self.encode(simple_chat_template(messages))
@@ -126,7 +139,7 @@ class HFTokenizer:
 
         try:
             text = self._template.render(
-                messages=[{"role": r, "content": c} for r, c in messages],
+                messages=messages,
                 add_generation_prompt=True, bos_token=self._bos or "", eos_token=self._eos or "")
         except TemplateError as exc:
             raise ValueError(f"the chat template refused them: {exc}") from None
