@@ -9,6 +9,12 @@ runs calls one at a time in its default concurrency group, and admission calls (
 .admission`: allocate, receive, ...) in a group of their own, so a state transfer into a decode
 rank runs while the rank goes on stepping its batch.
 
+A decode instance runs its decode loop inside itself: its rank-0 actor hosts the instance's
+`DecodeServer` (`RankHost.serve`: batcher, steps, sampling, streaming) and drives the other
+ranks through torch.distributed (`cluster/lockstep.py`); the router reaches it through
+`RemoteServer` (submit, cancel, stats, and one `events` call that carries every request's new
+tokens), never per step.
+
 An engine actor hosts ONE object that is a whole prefill instance (`VllmPrefill`: vLLM spawns
 and drives its own TP workers), in a placement group of one bundle with all of the instance's
 GPUs. The router sees it as an instance of one rank (`RayRanks` over one actor, or `EngineRanks`
@@ -20,6 +26,7 @@ Ray is imported where it is used, so the router and `EngineRanks` run in a proce
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import functools
 import importlib
@@ -53,6 +60,9 @@ def remote_cause(exc: BaseException) -> BaseException:
 
 # A rank actor's concurrency group for admission calls; one at a time, as the batcher admits.
 ADMISSION = "admission"
+# A decode instance's rank 0: the group its event stream (`DecodeServer.events`) is read in, so
+# the router's waiting read holds up neither submissions nor stats.
+STREAM = "stream"
 
 
 @functools.cache
@@ -76,6 +86,9 @@ class RankHost:
     def __init__(self, role: str, instance: str, rank: int, world: int):
         self.role, self.instance, self.rank, self.world = role, instance, rank, world
         self.obj = None
+        self.steps = None    # a decode instance's step group (TP > 1), see cluster/lockstep.py
+        self.srv = None      # a decode instance's `DecodeServer` (rank 0, once `serve` ran)
+        self.served: collections.Counter = collections.Counter()  # calls taken, by method
 
     def address(self) -> tuple[str, int]:
         """A free TCP port on this node, for the TP group's rendezvous (rank 0)."""
@@ -101,17 +114,74 @@ class RankHost:
             from pdserve.prefill.engine import PrefillRank
             self.obj = PrefillRank(self.instance, self.rank, tp=tp, **kwargs)
         else:
+            from pdserve.cluster.lockstep import follow, step_group
             from pdserve.decode.rank import DecodeRank
             self.obj = DecodeRank(self.instance, self.rank, tp=tp,
                                   local_prefill=self.role == "monolithic", **kwargs)
+            if self.world > 1:
+                self.steps = step_group(self.world)
+                if self.rank > 0:  # a TP peer runs the steps its rank 0 broadcasts
+                    threading.Thread(target=follow, args=(self.obj, self.steps, self.instance),
+                                     name="pdserve-follow", daemon=True).start()
         return {"pid": os.getpid(), "node": _node_ip()}
 
     def call(self, method: str, *args):
+        self.served[method] += 1
         return getattr(self.obj, method)(*args)
+
+    def calls(self) -> dict[str, int]:
+        """How many calls of each method this actor has taken (`call` and `server`)."""
+        return dict(self.served)
+
+    def serve(self, peers: list, engine: dict, max_batch: int, max_queue: int,
+              timeout_s: float) -> None:
+        """Rank 0 of a decode instance: run its decode loop here (`DecodeServer` over a
+        `DecodeInstance` built with `engine`'s settings), driving `peers` (the actors of
+        ranks 1..) through the step group and their admission group."""
+        from pdserve.cluster.lockstep import Lockstep
+        from pdserve.decode.instance import DecodeInstance
+        from pdserve.decode.server import DecodeServer
+
+        if self.rank != 0 or self.role == "prefill":
+            raise ValueError(f"instance {self.instance}: only a decode instance's rank 0 "
+                             f"serves (this is {self.role} rank {self.rank})")
+        view = RayRanks(self.instance, peers, timeout_s, ADMISSION) if peers else None
+        ranks = Lockstep(self.instance, self.obj, self.steps, view)
+        inst = DecodeInstance(self.instance, ranks, local_prefill=self.role == "monolithic",
+                              **engine)
+        self.srv = DecodeServer(inst, max_batch, max_queue, self.obj.stats)
+
+    def server(self, method: str, *args):
+        """`method` of this rank's `DecodeServer` (`RemoteServer` calls it)."""
+        self.served[method] += 1
+        if self.srv is None:
+            raise RuntimeError(f"instance {self.instance}: rank {self.rank} runs no decode loop")
+        out = getattr(self.srv, method)(*args)
+        return _portable(out) if method == "events" else out
+
+
+def _portable(events: list) -> list:
+    """`events` with every error that would not survive pickling replaced by one that does
+    (same type name and message): one unpicklable exception must not break the stream that
+    carries every request's tokens."""
+    import pickle
+
+    from pdserve.decode.batcher import TokenEvent
+
+    out = []
+    for ev in events:
+        if ev.exc is not None:
+            try:
+                pickle.dumps(ev.exc)
+            except Exception:
+                ev = TokenEvent(ev.request_id, ev.token, ev.index, ev.finish_reason, ev.error,
+                                RuntimeError(f"{type(ev.exc).__name__}: {ev.exc}"))
+        out.append(ev)
+    return out
 
 
 def RankActor():
-    return _remote(RankHost, ((ADMISSION, 1),))
+    return _remote(RankHost, ((ADMISSION, 1), (STREAM, 1)))
 
 
 def engine_factory(path: str) -> Callable:
@@ -197,41 +267,85 @@ class RayRanks:
         return actor.call if self.group is None else actor.call.options(
             concurrency_group=self.group)
 
+    def __reduce__(self):
+        # shipped to a decode instance's rank 0 (digests from the sources): the same actors,
+        # a submission lock of its own there
+        return RayRanks, (self.name, self.actors, self.timeout_s, self.group)
+
     def call(self, method: str, *args) -> list:
-        with self._submit:
-            refs = [self._method(a).remote(method, *args) for a in self.actors]
-        return self._get(refs, method)
+        return self.call_each(method, [args] * self.size)
 
     def call_each(self, method: str, args: list[tuple]) -> list:
+        return self.answers(self.submit_each(method, args), method)
+
+    def submit_each(self, method: str, args: list[tuple]) -> list:
+        """Start `method` on every rank with per-rank args; `answers` waits for them."""
         with self._submit:
-            refs = [self._method(a).remote(method, *x)
+            return [self._method(a).remote(method, *x)
                     for a, x in zip(self.actors, args, strict=True)]
-        return self._get(refs, method)
 
     def call_one(self, rank: int, method: str, *args):
         """`method` on one rank only (same deadline and errors as `call`)."""
         with self._submit:
             ref = self._method(self.actors[rank]).remote(method, *args)
-        return self._get([ref], method)[0]
+        return self.answers([ref], method)[0]
 
-    def _get(self, refs, method: str) -> list:
-        import ray
+    def answers(self, refs, method: str, timeout_s: float | None = None) -> list:
+        """The ranks' results of `refs`, within `timeout_s` (default: the call timeout)."""
+        return _answers(self.name, refs, method, self.timeout_s if timeout_s is None
+                        else timeout_s)
 
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise InstanceLost(f"instance {self.name}: a rank died during {method}: "
-                               f"{type(exc).__name__}", self.name) from exc
-        except ray.exceptions.GetTimeoutError as exc:
-            for r in refs:
-                ray.cancel(r, force=False)
-            raise InstanceLost(f"instance {self.name}: {method} did not answer within "
-                               f"{self.timeout_s} s", self.name) from exc
-        except ray.exceptions.RayTaskError as exc:
-            cause = remote_cause(exc)
-            if cause is exc:  # a cause Ray could not carry: the wrapper says what it was
-                raise
-            raise cause from exc  # the remote traceback stays in the chain for logs
+
+def _answers(name: str, refs, method: str, timeout_s: float) -> list:
+    """`ray.get` with a deadline; a dead or silent actor is `InstanceLost` naming the instance,
+    an exception raised in it is raised here as itself (its type and fields)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        raise InstanceLost(f"instance {name}: a rank died during {method}: "
+                           f"{type(exc).__name__}", name) from exc
+    except ray.exceptions.GetTimeoutError as exc:
+        for r in refs:
+            ray.cancel(r, force=False)
+        raise InstanceLost(f"instance {name}: {method} did not answer within {timeout_s} s",
+                           name) from exc
+    except ray.exceptions.RayTaskError as exc:
+        cause = remote_cause(exc)
+        if cause is exc:  # a cause Ray could not carry: the wrapper says what it was
+            raise
+        raise cause from exc  # the remote traceback stays in the chain for logs
+
+
+class RemoteServer:
+    """A decode instance's `DecodeServer` in its rank-0 actor, as the router calls it: the
+    same methods, each a Ray call with a deadline (`events` waits `wait_s` beyond it, in the
+    actor's stream group); `cancel` does not wait (a lost instance holds nothing)."""
+
+    def __init__(self, name: str, actor, timeout_s: float):
+        self.name, self.actor, self.timeout_s = name, actor, timeout_s
+
+    def _call(self, method: str, *args, group: str | None = None, wait_s: float = 0.0):
+        fn = self.actor.server if group is None else self.actor.server.options(
+            concurrency_group=group)
+        return _answers(self.name, [fn.remote(method, *args)], method,
+                        self.timeout_s + wait_s)[0]
+
+    def submit(self, work, request_id: str, deadline_s: float | None = None) -> None:
+        self._call("submit", work, request_id, deadline_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.actor.server.remote("cancel", request_id)
+
+    def events(self, wait_s: float) -> list:
+        return self._call("events", wait_s, group=STREAM, wait_s=wait_s)
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def shutdown(self) -> None:
+        self._call("shutdown")
 
 
 @dataclass
@@ -282,7 +396,27 @@ class Instance:
             pass
 
 
+class SourceDigests:
+    """The `DigestSource` of a decode instance (transfer.verify): a handle's source rank
+    hashes what will be read. Picklable, so a decode instance's rank 0 asks the sources itself."""
+
+    def __init__(self, prefill: list[Instance]):
+        self.by_name = {p.name: p for p in prefill}
+
+    def __call__(self, handle, src_rank: int, runs) -> list[int]:
+        return self.by_name[handle.instance].digests(src_rank, handle.request_id, runs)
+
+
 ROLES = ("prefill", "decode", "monolithic")
+
+
+def serve_decode(inst: Instance, engine: dict, max_batch: int, max_queue: int) -> RemoteServer:
+    """Start the decode loop of a decode (or monolithic) instance in its rank-0 actor
+    (`RankHost.serve`; `engine`: the `DecodeInstance` settings) and return its server."""
+    actors = inst.ranks.actors
+    inst.ranks.answers([actors[0].serve.remote(actors[1:], engine, max_batch, max_queue,
+                                                inst.ranks.timeout_s)], "serve")
+    return RemoteServer(inst.name, actors[0], inst.ranks.timeout_s)
 
 
 def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,

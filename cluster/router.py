@@ -29,13 +29,12 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 
 from pdserve.api.backend import BackendUnavailable
-from pdserve.decode.batcher import BadRequest, Batcher, DeadlineExceeded, Overloaded, TokenEvent
-from pdserve.decode.instance import DecodeInstance
+from pdserve.decode.batcher import BadRequest, DeadlineExceeded, Overloaded, TokenEvent
 from pdserve.model.sampling import Request
 from pdserve.prefill.engine import PrefillResult
 from pdserve.state.pools import PoolExhausted
@@ -52,6 +51,9 @@ POLL_S = 0.2
 # With nothing in flight only liveness and lease expiry are left to watch: poll less, so an idle
 # server costs its host's cores little (ten rank calls a second showed up as CPU load).
 IDLE_POLL_S = 1.0
+# How long one read of a decode instance's event stream waits for an event (it answers as soon
+# as there is one); it bounds how late a stream notices that its instance went silent.
+EVENTS_WAIT_S = 1.0
 
 
 class PrefillQueue:
@@ -160,17 +162,105 @@ def _agreed(instance: str, per_rank: list) -> list:
 
 
 class DecodeSlot:
-    """A decode (or monolithic) instance, its step engine and the batcher that drives it."""
+    """A decode (or monolithic) instance as the router sees it: its server, which runs the
+    instance's decode loop (`DecodeServer`, in the instance's rank-0 actor through
+    `RemoteServer`, or in this process), and one reader of the server's event stream that hands
+    each event to its request's stream. The router submits, cancels and reads; it runs no step.
+    `stats`: the server's, refreshed by the router's poll."""
 
-    def __init__(self, inst: Instance, engine: DecodeInstance, max_batch: int, max_queue: int):
-        self.inst, self.engine = inst, engine
-        self.batcher = Batcher(engine, max_batch=max_batch, max_queue=max_queue)
+    def __init__(self, inst: Instance, server, wait_s: float = EVENTS_WAIT_S):
+        self.inst, self.server, self.wait_s = inst, server, wait_s
         self.stats: dict = {}
+        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # a request arrived: read the stream
+        self._closed = False
+        self._lost: InstanceLost | None = None  # the stream broke: the instance is gone
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"events-{inst.name}")
+        self._reader.start()
+
+    @property
+    def requests(self) -> int:
+        """Requests this router has in flight here (queued, admitted or running)."""
+        return len(self._sinks)
+
+    async def stream(self, work, request_id: str,
+                     deadline_s: float | None) -> AsyncIterator[TokenEvent]:
+        """Submit `work` (a `StateHandle`, or a `Request` for a monolithic instance) and yield
+        its events; leaving early cancels it. A lost instance ends it with an error event
+        carrying `InstanceLost`."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        with self._lock:
+            self._sinks[request_id] = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+        self._wake.set()
+        submitted = finished = False
+        try:
+            lost = self._lost
+            if lost is None:
+                try:
+                    await asyncio.to_thread(self.server.submit, work, request_id, deadline_s)
+                    submitted = True
+                except InstanceLost as exc:
+                    lost = exc
+            if lost is not None:
+                finished = True
+                yield TokenEvent(request_id, None, 0, "error", str(lost), lost)
+                return
+            while not finished:
+                ev = await events.get()
+                finished = ev.finish_reason is not None  # a caller may stop at the last event
+                yield ev
+        finally:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+            if submitted and not finished:
+                self.server.cancel(request_id)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _read_loop(self) -> None:
+        """Read the server's events while requests are in flight; hand each to its stream.
+        A stream that breaks (the rank-0 actor died or went silent) ends every request here
+        with `InstanceLost`, which the router resumes elsewhere."""
+        while not self._closed:
+            if not self._sinks:
+                self._wake.wait(IDLE_POLL_S)
+                self._wake.clear()
+                continue
+            try:
+                batch = self.server.events(self.wait_s)
+            except Exception as exc:
+                exc = remote_cause(exc)
+                self._lost = exc if isinstance(exc, InstanceLost) else InstanceLost(
+                    f"instance {self.inst.name}: its event stream failed: "
+                    f"{type(exc).__name__}: {exc}", self.inst.name)
+                self.inst.alive = False
+                with self._lock:
+                    for rid in list(self._sinks):
+                        self._deliver(TokenEvent(rid, None, 0, "error", str(self._lost),
+                                                 self._lost))
+                return
+            with self._lock:
+                for ev in batch:
+                    self._deliver(ev)
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        sink = self._sinks.get(ev.request_id)
+        if sink is None:  # a stream that was left (cancelled): its last events drop
+            return
+        try:
+            sink(ev)
+        except RuntimeError:  # its event loop closed: the stream is gone
+            self._sinks.pop(ev.request_id, None)
 
 
 class Router:
-    """`prefill` empty: `decode` holds monolithic instances (`DecodeInstance` engines with
-    `local_prefill`), which take the `Request` itself and prefill it."""
+    """`prefill` empty: `decode` holds monolithic instances (their ranks prefill locally),
+    which take the `Request` itself and prefill it."""
 
     def __init__(self, model_name: str, max_context: int, prefill: list[Instance],
                  decode: list[DecodeSlot], max_queue: int = 256, prefill_idle_threads: int = 0):
@@ -230,7 +320,7 @@ class Router:
                 left = None if end is None else max(end - time.monotonic(), 0.01)
                 # a decode instance takes the state handle, a monolithic one the request
                 work = current if handle is None else handle
-                async with aclosing(slot.batcher.stream(work, current.request_id, left)) as events:
+                async with aclosing(slot.stream(work, current.request_id, left)) as events:
                     async for ev in events:
                         if ev.token is not None:
                             decoded += 1
@@ -303,8 +393,8 @@ class Router:
                "prefill_alive": sum(p.inst.alive for p in self.prefill),
                "decode_alive": sum(d.inst.alive for d in self.decode),
                "prefill_queued_tokens": sum(p.pending_tokens for p in self.prefill),
-               "decode_queued": sum(d.batcher.queued for d in self.decode),
-               "decode_running": sum(d.batcher.running for d in self.decode)}
+               "decode_queued": sum(d.stats.get("queued", 0) for d in self.decode),
+               "decode_running": sum(d.stats.get("batched", 0) for d in self.decode)}
         for d in self.decode:
             for k, v in d.stats.items():
                 if k.startswith("transfer"):
@@ -326,7 +416,12 @@ class Router:
         for p in self.prefill:
             p.close()
         for d in self.decode:
-            await asyncio.to_thread(d.batcher.shutdown)
+            d.close()
+            if d.inst.alive:
+                try:
+                    await asyncio.to_thread(d.server.shutdown)
+                except InstanceLost:
+                    pass  # gone already: nothing of it runs
 
     # -- helpers ----------------------------------------------------------------------------
     async def _prefill(self, request: Request, end: float | None, full_wait_s: float = 30.0):
@@ -380,13 +475,13 @@ class Router:
         return None
 
     def _decode_idle(self) -> bool:
-        return all(d.batcher.running == 0 and d.batcher.queued == 0 for d in self.decode)
+        return all(d.requests == 0 for d in self.decode)
 
     def _pick_decode(self) -> DecodeSlot | None:
         live = [d for d in self.decode if d.inst.alive]
         if not live:
             return None
-        return max(live, key=lambda d: (d.stats.get("pages_free", 0), -d.batcher.running))
+        return max(live, key=lambda d: (d.stats.get("pages_free", 0), -d.requests))
 
     def _resume(self, request: Request, emitted: list[int]) -> Request | None:
         left = request.params.max_tokens - len(emitted)
@@ -419,7 +514,7 @@ class Router:
             for d in self.decode:
                 if d.inst.alive:
                     try:
-                        d.stats = d.inst.ranks.call("stats")[0]
+                        d.stats = d.server.stats()
                     except InstanceLost:
                         d.inst.alive = False
                     except Exception:

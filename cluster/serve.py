@@ -16,11 +16,13 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.cluster.actors import Instance, start_engine_instance, start_instance
+from pdserve.cluster.actors import (Instance, SourceDigests, serve_decode, start_engine_instance,
+                                    start_instance)
 from pdserve.cluster.config import (ServeConfig, check_vllm_geometry, vllm_engine_config,
                                     vllm_env, vllm_model_dir)
 from pdserve.cluster.router import DecodeSlot, Router
 from pdserve.decode.instance import DecodeInstance
+from pdserve.decode.server import DecodeServer
 from pdserve.model.config import PRESETS
 from pdserve.state.block_table import Topology
 from pdserve.transfer.dest import TransferConfig
@@ -139,7 +141,8 @@ def decode_kwargs(cfg: ServeConfig) -> dict:
 
 def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Instance]) -> Router:
     """The router over started prefill and decode instances (Ray actors or in-process): every
-    prefill instance learns the decode ranks' agents, and each decode instance gets a batcher.
+    prefill instance learns the decode ranks' agents, and each decode instance runs its decode
+    loop (`DecodeServer`): in its rank-0 actor, or here for in-process ranks.
     A vLLM instance's cache layout is checked against the config first. In monolithic mode
     `prefill` is empty and the decode instances prefill locally."""
     if cfg.vllm:
@@ -148,21 +151,20 @@ def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Inst
     agents = [a for d in decode for a in d.agents]
     for p in prefill:
         p.ranks.call("connect", agents)
-    by_name = {p.name: p for p in prefill}
-
-    def digests(handle, src_rank, runs):
-        return by_name[handle.instance].digests(src_rank, handle.request_id, runs)
-
-    eos = _eos(model)
+    engine = dict(layout=cfg.decode_layout(), eos=_eos(model),
+                  topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave),
+                  digests=SourceDigests(prefill) if cfg.transfer.verify else None,
+                  idle_threads=cfg.resources.prefill_idle_threads)
+    max_batch = min(cfg.decode.max_batch, cfg.decode.num_slots - 1)
     slots = []
     for d in decode:
-        engine = DecodeInstance(d.name, d.ranks, cfg.decode_layout(), eos,
-                                Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave),
-                                digests if cfg.transfer.verify else None,
-                                local_prefill=cfg.monolithic,
-                                idle_threads=cfg.resources.prefill_idle_threads)
-        slots.append(DecodeSlot(d, engine, min(cfg.decode.max_batch, cfg.decode.num_slots - 1),
-                                cfg.api.max_queue))
+        if getattr(d.ranks, "actors", None):  # the loop runs in the instance's rank 0
+            server = serve_decode(d, engine, max_batch, cfg.api.max_queue)
+        else:  # in-process ranks: the loop runs here
+            server = DecodeServer(DecodeInstance(d.name, d.ranks, local_prefill=cfg.monolithic,
+                                                 **engine), max_batch, cfg.api.max_queue,
+                                  lambda d=d: d.ranks.call("stats")[0])
+        slots.append(DecodeSlot(d, server))
     router = Router(cfg.model.name, max_context(cfg), prefill, slots, cfg.api.max_queue,
                     cfg.resources.prefill_idle_threads)
     router.instances = prefill + decode

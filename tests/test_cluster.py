@@ -105,7 +105,8 @@ def _kill_running(router, timeout=30.0):
     so wait for the admission); returns its slot."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        busy = [d for d in router.decode if d.batcher.running]
+        # the router's last poll of each live instance
+        busy = [d for d in router.decode if d.inst.alive and d.stats.get("batched")]
         if busy:
             for a in busy[0].inst.ranks.actors:
                 ray.kill(a)
@@ -153,6 +154,71 @@ def test_failover_decode_death_prefill_death_and_no_decode_left():
         assert "error" in out or out.get("finish") == "error" or len(out.get("ids", [])) < 150
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and "no live decode instance" in health.text
+
+
+def test_the_decode_loop_runs_in_the_instance_not_the_router():
+    """The router holds no batcher and runs no step: a TP 2 decode instance's rank 0 steps its
+    batch and drives its peer through torch.distributed, so no Ray call reaches a rank per
+    step (rank 1 takes none of the step calls at all), and the tokens leave rank 0 through its
+    one event stream, a whole step's at a time: two streams decoding together cost fewer reads
+    of it than they get tokens."""
+    from pdserve.cluster.actors import RemoteServer
+    from pdserve.decode.batcher import Batcher
+
+    cfg, model = config(decode_tp=2)
+    n = 60
+    want = monolithic(PROMPTS[:2], n)
+    with running_server(cfg, model, progress=lambda m: None) as (url, router):
+        (slot,) = router.decode
+        assert isinstance(slot.server, RemoteServer)
+        assert not any(isinstance(v, Batcher) for d in router.decode for v in vars(d).values())
+        calls = lambda: [ray.get(a.calls.remote(), timeout=30) for a in slot.inst.ranks.actors]
+        stats = lambda: ray.get(slot.inst.ranks.actors[0].server.remote("stats"), timeout=30)
+        before, steps0 = calls(), stats()["steps"]
+        outs, threads = [], []
+        for prompt in PROMPTS[:2]:
+            outs.append({})
+            threads.append(_stream_in_thread(url, prompt, n, outs[-1], threading.Event()))
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert [o.get("ids") for o in outs] == want
+        taken = [{m: k - b.get(m, 0) for m, k in a.items() if k > b.get(m, 0)}
+                 for a, b in zip(calls(), before)]
+        steps = stats()["steps"] - steps0
+        assert steps >= n - 1, steps  # every decoded token is a step of rank 0's loop
+        assert "decode" not in taken[0] and not {"decode", "prefill", "free"} & set(taken[1]), \
+            taken
+        # per request: submit on rank 0, admission on rank 1; per read of the stream: events
+        assert set(taken[0]) <= {"submit", "events", "stats", "cancel"}, taken
+        assert taken[0]["submit"] == 2 and taken[0]["events"] < 2 * (n - 1), taken
+
+
+def test_a_tp_rank_killed_under_its_live_rank_0_resumes_every_request():
+    """Kill rank 1 of the TP 2 decode instance running three streams (rank 0 lives on): its
+    next step breaks the TP group, the instance is lost, and every one of its requests resumes
+    on the other instance with the no-fault tokens; none hangs."""
+    cfg, model = config(decode_instances=2, decode_tp=2)
+    want = monolithic(PROMPTS, 120)
+    with running_server(cfg, model, progress=lambda m: None) as (url, router):
+        outs, threads = [], []
+        for prompt in PROMPTS:
+            out, started = {}, threading.Event()
+            threads.append(_stream_in_thread(url, prompt, 120, out, started))
+            outs.append(out)
+            assert started.wait(30)
+        end = time.monotonic() + 30
+        while not (busy := [d for d in router.decode if d.inst.alive and d.stats.get("batched")]):
+            assert time.monotonic() < end, "no decode instance started a request"
+            time.sleep(0.01)
+        ray.kill(busy[0].inst.ranks.actors[1])
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads), "a request hung after the rank died"
+        assert [o.get("error") for o in outs] == [None] * 3
+        assert [o["ids"] for o in outs] == want
+        assert not busy[0].inst.alive and router.resumed >= 1
+        assert sum(d.inst.alive for d in router.decode) == 1
 
 
 def test_bad_input_cancellation_and_mixed_load_leave_nothing_behind():

@@ -1,5 +1,6 @@
 """Reference prefill -> NIXL transfer -> decode runtime equals the monolithic generate loop
-(in-process ranks for TP 1 -> 1; Ray rank actors with gloo TP groups for 2 -> 1 and 1 -> 2);
+(in-process ranks for TP 1 -> 1; Ray rank actors with gloo TP groups for 2 -> 1 and 1 -> 2, the
+decode instance running its own decode loop in its rank 0);
 continuous batching, cancel and pool exhaustion; a transfer held at its source stalls no
 running stream."""
 import asyncio
@@ -126,7 +127,7 @@ def test_resharded_tokens_equal_monolithic(ray_session, p, d, name):
     """KDA state resharded by head (and the replicated latent read from one replica) between
     TP sizes, greedy and seeded; for kimi-linear a 2-layer reduced model (one KDA + dense MLP, one
     MLA + MoE) keeps it short."""
-    from pdserve.cluster.actors import start_instance
+    from pdserve.cluster.actors import SourceDigests, start_instance
     config = preset("tiny") if name == "tiny" else reduced_kimi_linear(2, 4, 2, vocab_size=512)
     prompts = [[t % config.vocab_size for t in pr] for pr in PROMPTS]
     want = monolithic(config, prompts, PARAMS)
@@ -134,33 +135,50 @@ def test_resharded_tokens_equal_monolithic(ray_session, p, d, name):
     start = lambda role, tp, **kw: start_instance(role, f"{role}-{name}-{p}to{d}", 0, tp,
                                                   {**common, **kw}, 0.5, 0, 120, threads=1)
     pre = start("prefill", p)
-    dec = None
+    dec = slot = None
     try:
         dec = start("decode", d, transfer=TransferConfig(verify=True))
         pre.ranks.call("connect", dec.agents)
-        digests = lambda h, s, runs: ray.get(
-            pre.ranks.actors[s].call.remote("digests", h.request_id, runs), timeout=60)
-        inst = DecodeInstance(dec.name, dec.ranks, LAYOUT, {config.eos_token_id}, Topology(d),
-                              digests)
+        # the decode loop runs in the decode instance's rank 0, which asks the source's ranks
+        # for digests itself
+        slot = served(dec, config, digests=SourceDigests([pre]))
         reqs = [Request(f"r{i}", pr, sp) for i, (pr, sp) in enumerate(zip(prompts, PARAMS))]
         results = pre.ranks.call("prefill", reqs, pre.agents)[0]
         assert all(r.error is None for r in results), results
-        seqs = [inst.admit(r.handle) for r in results]
-        assert decode_to_end(inst, seqs) == want
-        assert all(st["running"] == 0 and st["pages_free"] == st["pages_total"]
-                   for st in dec.ranks.call("stats"))
+
+        async def main():
+            return await asyncio.gather(*[_collect(slot, r.handle) for r in results])
+        assert asyncio.run(main()) == want
+        deadline = time.monotonic() + 10
+        while not all(st["running"] == 0 and st["pages_free"] == st["pages_total"]
+                      for st in dec.ranks.call("stats")):
+            assert time.monotonic() < deadline, "decode state not freed on every rank"
+            time.sleep(0.01)
         deadline = time.monotonic() + 10
         while any(st["held"] for st in pre.ranks.call("stats")):
             assert time.monotonic() < deadline, "source state not freed after the transfer"
             pre.ranks.call("poll")
             time.sleep(0.01)
     finally:
+        if slot is not None:
+            slot.close()
         for inst_ in (pre, dec):
             if inst_ is not None:
                 inst_.kill()
 
 
+def served(dec, config, max_batch=4, **engine):
+    """The router's view (`DecodeSlot`) of Ray decode instance `dec` running its own decode
+    loop in its rank 0 (`serve_decode`, as `pdserve serve` starts it)."""
+    from pdserve.cluster.actors import serve_decode
+    from pdserve.cluster.router import DecodeSlot
+    engine = dict(layout=LAYOUT, eos={config.eos_token_id}, topology=Topology(dec.ranks.size),
+                  **engine)
+    return DecodeSlot(dec, serve_decode(dec, engine, max_batch, 16))
+
+
 async def _collect(batcher, handle, delay=0.0, cancel_after=None, hold=None):
+    """`handle`'s tokens from `batcher` (a `Batcher`, or a `DecodeSlot`: the same stream)."""
     await asyncio.sleep(delay)
     tokens = []
     async for ev in batcher.stream(handle, handle.request_id, deadline_s=60):
@@ -186,8 +204,9 @@ async def _until(check, what: str, limit_s: float = 120.0) -> None:
 def test_a_transfer_held_at_its_source_stalls_no_running_stream(ray_session):
     """Admission runs beside the steps: while a request's reads wait for its source (the
     prefill rank's process stopped, so the READs it serves cannot complete), a stream already
-    running on the same decode instance (a Ray rank actor) goes on getting tokens. Once the
-    source goes on, the held request joins and both give the monolithic tokens."""
+    running on the same decode instance (a Ray rank actor running its own decode loop) goes on
+    getting tokens. Once the source goes on, the held request joins and both give the
+    monolithic tokens."""
     from pdserve.cluster.actors import start_instance
     config = preset("tiny")
     reqs = [Request("running", list(b"a stream that keeps going"),
@@ -198,7 +217,7 @@ def test_a_transfer_held_at_its_source_stalls_no_running_stream(ray_session):
     start = lambda role, **kw: start_instance(role, f"{role}-held", 0, 1, {**common, **kw},
                                               0.5, 0, 120, threads=1)
     pre = start("prefill")
-    dec = batcher = stopped = None
+    dec = slot = stopped = None
     try:
         # the transfer deadline outlasts the hold: the test ends the hold, not the deadline
         dec = start("decode", transfer=TransferConfig(base_deadline_s=120))
@@ -207,13 +226,12 @@ def test_a_transfer_held_at_its_source_stalls_no_running_stream(ray_session):
         results = pre.ranks.call("prefill", reqs, pre.agents)[0]
         assert all(r.error is None for r in results), results
         running, held = [r.handle for r in results]
-        batcher = Batcher(DecodeInstance(dec.name, dec.ranks, LAYOUT, {config.eos_token_id}),
-                          max_batch=4)
+        slot = served(dec, config)
         got = {"running": [], "held": []}
         pages_free = lambda: dec.ranks.call("stats")[0]["pages_free"]
 
         async def collect(handle):
-            async for ev in batcher.stream(handle, handle.request_id, deadline_s=600):
+            async for ev in slot.stream(handle, handle.request_id, deadline_s=600):
                 assert ev.error is None, ev.error
                 if ev.token is not None:
                     got[handle.request_id].append(ev.token)
@@ -243,8 +261,8 @@ def test_a_transfer_held_at_its_source_stalls_no_running_stream(ray_session):
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
-        if batcher is not None:
-            batcher.shutdown()
+        if slot is not None:
+            slot.close()
         for inst in (pre, dec):
             if inst is not None:
                 inst.kill()

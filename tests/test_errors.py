@@ -2,8 +2,8 @@
 
 Tiny rank actors (real Ray, on a local cluster this module starts) raise each error where the
 real ranks raise it: a transfer deadline, a lost peer or instance, an exhausted pool, a failed
-integrity check, a bad request. The real `Router`, `RayRanks`, `Batcher` and a
-`DecodeInstance` that prefills locally (monolithic) sit on top. Every error's message is the
+integrity check, a bad request. The real `Router`, `RayRanks`, a `DecodeServer` (its `Batcher`)
+and a `DecodeInstance` that prefills locally (monolithic) sit on top. Every error's message is the
 same decoy naming every other kind, so any decision taken from the text would be wrong."""
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pdserve.api.tokenizer import ByteLevelTokenizer
 from pdserve.cluster.actors import ADMISSION, Instance, InstanceLost, RayRanks, remote_cause
 from pdserve.cluster.router import DecodeSlot, Router
 from pdserve.decode.instance import DecodeInstance
+from pdserve.decode.server import DecodeServer
 from pdserve.model.generate import Sequence
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillResult
@@ -181,20 +182,24 @@ def calls(inst: Instance, method: str) -> int:
     return ray.get(inst.ranks.actors[0].call.remote("count", method))
 
 
+def slot(inst: Instance, engine: DecodeInstance) -> DecodeSlot:
+    """The instance's decode loop in this process (`DecodeServer`, as `assemble` runs it over
+    in-process ranks) over the fake rank actor: every rank error crosses Ray as it would."""
+    return DecodeSlot(inst, DecodeServer(engine, 4, 16, lambda: inst.ranks.call("stats")[0]))
+
+
 class Cluster:
     def __init__(self, prefill: int = 1, decode: int = 1, monolithic: bool = False):
         if monolithic:
             self.prefill = []
             self.decode = [instance("monolithic", f"mono-{i}", FaultyDecode) for i in range(decode)]
-            slots = [DecodeSlot(d, DecodeInstance(d.name, d.ranks, None, set(),
-                                                  local_prefill=True), 4, 16)
+            slots = [slot(d, DecodeInstance(d.name, d.ranks, None, set(), local_prefill=True))
                      for d in self.decode]
         else:
             self.prefill = [instance("prefill", f"prefill-{i}", FaultyPrefill)
                             for i in range(prefill)]
             self.decode = [instance("decode", f"decode-{i}", FaultyDecode) for i in range(decode)]
-            slots = [DecodeSlot(d, TransferEngine(d.name, d.ranks, None, set()), 4, 16)
-                     for d in self.decode]
+            slots = [slot(d, TransferEngine(d.name, d.ranks, None, set())) for d in self.decode]
         self.router = Router("tiny", 4096, self.prefill, slots, max_queue=16)
 
     def run(self, max_tokens: int = TOKENS, deadline_s: float | None = 30.0, rid: str = "r"):

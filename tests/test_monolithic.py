@@ -11,7 +11,7 @@ import ray
 
 from pdserve.cluster.config import ServeConfig, validate
 from pdserve.cluster.serve import running_server
-from pdserve.decode.instance import DecodeInstance
+from pdserve.cluster.actors import RemoteServer
 from pdserve.model.sampling import SamplingParams
 
 from ports import free_port
@@ -68,7 +68,8 @@ def test_two_tp1_instances_give_the_reference_tokens_and_survive_a_death():
     want_long = reference(PROMPTS[0], 150)
     with running_server(cfg, model, progress=lambda m: None) as (url, router):
         assert router.monolithic and not router.prefill and len(router.decode) == 2
-        assert all(isinstance(d.engine, DecodeInstance) and d.engine.local_prefill
+        # each instance runs its own decode loop (in its rank-0 actor), not the router
+        assert all(isinstance(d.server, RemoteServer) and d.inst.role == "monolithic"
                    for d in router.decode)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60)
         for prompt in PROMPTS:
