@@ -2,7 +2,8 @@
 
 Completions (the legacy shape): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`,
 parallel lists with one entry per token; `top_logprobs[i]` maps a token's text to its
-log-probability, the chosen token included (as vLLM does); an echoed prompt's first token has
+log-probability, the chosen token included (as vLLM does); a token that is part of a
+character is spelled "bytes:\\xNN" (OpenAI's spelling); an echoed prompt's first token has
 None for both (nothing precedes it). Chat: `{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}`.
 
@@ -23,16 +24,23 @@ class LogprobWriter:
         self.offset = 0
 
     def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        """The token's text; a token that is not whole UTF-8 characters (one byte of a
+        multi-byte character) is spelled "bytes:\\xNN..." as OpenAI does, so that distinct
+        tokens never share a `top_logprobs` key."""
+        raw = self.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def piece(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
         if self.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
         texts = [self._text(t) for t in tokens]
         offsets = []
-        for text in texts:
+        for t in tokens:  # where each token's text starts in the choice's text
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self.tokenizer.decode([t]))
         return {"tokens": texts,
                 "token_logprobs": [None if e is None else e.logprob for e in entries],
                 "top_logprobs": [None if e is None else self._top_map(e) for e in entries],
