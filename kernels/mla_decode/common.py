@@ -121,6 +121,8 @@ def wgmma_c_mn_view(t):
     """wgmma C fragment ((2, 2, V), MMA_M, MMA_N) -> ((2, MMA_M), (2, V, MMA_N)) rows / cols."""
     l = cute.make_layout(t.layout.shape)
     v, vs = l.shape[0], l.stride[0]
+    if len(v) == 2:                   # N = 8: a single column pair per row (V = 1)
+        v, vs = (*v, 1), (*vs, 0)
     mn = cute.make_layout(((v[1], l.shape[1]), (v[0], v[2], l.shape[2])),
                           stride=((vs[1], l.stride[1]), (vs[0], vs[2], l.stride[2])))
     return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))

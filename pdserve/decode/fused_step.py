@@ -11,9 +11,9 @@ forward (the oracle) still reads the same values.
     cache (latent_store); W_UK / W_UV split out of kv_b_proj once, in bf16.
   - MoE: experts stacked as w13 [G, 2I, hidden] (gate rows then up rows) and w2 [G, hidden, I],
     the shared expert as group G-1 = E; the router op lays out the (token, expert) pairs by
-    expert, and two grouped GEMMs (torch's CUTLASS sm90 grouped GEMM) read only the experts
-    some token chose. The weighted combine of a token's pairs happens inside the next
-    add_rmsnorm.
+    expert, and the experts op (a grouped GEMM with the tokens in the MMA's N dimension)
+    reads only the experts some token chose. The weighted combine of a token's pairs happens
+    inside the next add_rmsnorm.
   - every residual add is fused with the RMSNorm after it; the LM head is a bf16 GEMM with
     fp32 output.
 A step is device ops only (no host sync), so `DecodeGraphs` captures it whole. Rebuild it after
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import registry
-from pdserve.kernels import kda_decode, latent_store, mla_decode, moe_route, rmsnorm
+from pdserve.kernels import kda_decode, latent_store, mla_decode, moe_experts, moe_route, rmsnorm
 from pdserve.model.batch import DecodeBatch
 from pdserve.model.model import HybridModel, NotSupportedYet
 from pdserve.state.pools import StatePools
@@ -53,6 +53,9 @@ class _Ops:
 
     def route(self, *args):
         return self._run(moe_route.OP, moe_route.moe_route_problem, *args)
+
+    def experts(self, *args):
+        return self._run(moe_experts.OP, moe_experts.moe_experts_problem, *args)
 
     def store(self, *args):
         return self._run(latent_store.OP, latent_store.latent_store_problem, *args)
@@ -201,10 +204,7 @@ class _Moe:
                        c.moe_router_activation_func, c.moe_renormalize,
                        c.routed_scaling_factor, self.shared, pair_token, pair_weight,
                        token_pair, group_end)
-        gu = torch._grouped_mm(h.index_select(0, pair_token), self.w13.transpose(1, 2),
-                               offs=group_end)
-        act = F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
-        rows = torch._grouped_mm(act, self.w2.transpose(1, 2), offs=group_end)
+        rows = self.ops.experts(h, self.w13, self.w2, pair_token, group_end)
         return rows, token_pair, pair_weight
 
 
