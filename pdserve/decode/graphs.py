@@ -37,6 +37,7 @@ class _Captured:
     staging: torch.Tensor   # pinned host copy of it
     logits: torch.Tensor    # [bucket, vocab] static output
     greedy: torch.Tensor    # [bucket] argmax of the logits
+    copied: torch.cuda.Event  # recorded after staging's copy to `packed` was enqueued
 
 
 class DecodeGraphs:
@@ -85,7 +86,9 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._mempool):
             logits, greedy = step()
         staging = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        return _Captured(graph, packed, staging, logits, greedy)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        return _Captured(graph, packed, staging, logits, greedy, copied)
 
     def refuse(self, tables: list[BlockTable]) -> str | None:
         """Why these requests cannot run as a captured step (one message per kind of reason),
@@ -106,8 +109,12 @@ class DecodeGraphs:
             raise ValueError(why)
         n = len(tables)
         g = self._graphs[next(b for b in self.buckets if b >= n)]
+        # the previous step's asynchronous copy out of the pinned staging buffer must be done
+        # before it is overwritten (a caller that does not read results back runs ahead)
+        g.copied.synchronize()
         g.staging.copy_(DecodeBatch.pack(tables, tokens, self.page_tokens, g.packed.shape[0],
                                          self.max_pages))
         g.packed.copy_(g.staging, non_blocking=True)
+        g.copied.record(torch.cuda.current_stream(self.device))
         g.graph.replay()
         return g.logits[:n], g.greedy[:n]

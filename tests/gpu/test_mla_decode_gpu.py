@@ -103,7 +103,9 @@ def check(lens, H, fp8, page_tokens=PAGE, keys="random", **kw):
     # errors of a few 1e-3, the bf16 path stays < 5e-3
     ltol = 1e-2 if fp8 else 5e-3
     assert lerr < ltol, f"lse max abs error {lerr:.3g} (tolerance {ltol}, plan {plan})"
-    for name, want in kw.items():           # the call ran what was asked
+    for name, want in kw.items():           # the call ran what was asked (None: the default)
+        if want is None:
+            continue
         if name in ("num_splits", "head_groups"):
             assert getattr(plan, name) == want, (name, plan)
         elif name in ("consumers", "pool_div", "d_split", "lazy_max", "q_half", "xmerge",
