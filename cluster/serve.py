@@ -20,6 +20,7 @@ from pdserve.cluster.actors import (Instance, SourceDigests, serve_decode, start
                                     start_instance)
 from pdserve.cluster.config import (ServeConfig, check_vllm_geometry, vllm_engine_config,
                                     vllm_env, vllm_model_dir)
+from pdserve.cluster.preflight import check_resources, listen_socket, local_resources
 from pdserve.cluster.router import DecodeSlot, Router
 from pdserve.decode.instance import DecodeInstance
 from pdserve.decode.server import DecodeServer
@@ -34,14 +35,16 @@ SUBREAPER_ENV = "RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper"
 
 
 def _init_ray(cfg: ServeConfig, address: str | None) -> None:
+    """Attach to (or start) Ray, having checked that it holds the CPUs and GPUs `cfg` needs."""
     import ray
 
-    if ray.is_initialized():
-        return
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False)
+    if ray.is_initialized() or address:
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        check_resources(cfg, ray.cluster_resources(), "the Ray cluster")
         return
+    check_resources(cfg, local_resources(cfg), "this machine")
     if cfg.prefill.engine == "vllm":
         # vLLM's engine core and TP workers are processes of the engine actor: if the actor dies
         # without closing them (killed, crashed), the raylet reaps them (Ray's subreaper, Linux)
@@ -193,18 +196,25 @@ def stop(router: Router) -> None:
 
 @contextmanager
 def running_server(cfg: ServeConfig, model, address: str | None = None, progress=print):
-    """Cluster + HTTP server in a background thread; yields (base URL, router)."""
+    """Cluster + HTTP server in a background thread; yields (base URL, router). The API's port
+    is bound before anything starts (a taken port fails at once, as a `ConfigError`)."""
     from pdserve.api.server import create_app
     from pdserve.api.serving import serve_in_thread
     from pdserve.api.tokenizer import load_tokenizer
 
-    router = start(cfg, model, address, progress)
+    sock = listen_socket(cfg.api.host, cfg.api.port)
+    try:
+        router = start(cfg, model, address, progress)
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = create_app(router, load_tokenizer(cfg.model.name, model.vocab_size),
                          request_timeout_s=cfg.api.request_timeout_s,
                          max_body_bytes=cfg.api.max_body_bytes,
                          body_timeout_s=cfg.api.body_timeout_s)
-        with serve_in_thread(app, cfg.api.host, cfg.api.port) as url:
+        with serve_in_thread(app, cfg.api.host, cfg.api.port, sock=sock) as url:
             yield url, router
     finally:
+        sock.close()
         stop(router)

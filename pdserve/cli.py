@@ -72,7 +72,7 @@ def cmd_export(args) -> int:
 def _serve_config(args):
     import msgspec
 
-    from pdserve.cluster.config import describe, load_serve_config
+    from pdserve.cluster.config import describe, load_serve_config, validate
 
     cfg, model = load_serve_config(args.config)
     api = cfg.api
@@ -80,6 +80,11 @@ def _serve_config(args):
         api = msgspec.structs.replace(api, port=api.port if args.port is None else args.port,
                                       host=api.host if args.host is None else args.host)
         cfg = msgspec.structs.replace(cfg, api=api)
+        try:
+            validate(cfg)
+        except ValueError as exc:  # the overridden field is a flag here
+            raise ValueError(str(exc).replace("api.port:", "--port (api.port):")
+                             .replace("api.host:", "--host (api.host):")) from None
     print(describe(cfg, model), flush=True)
     return cfg, model
 
@@ -93,6 +98,8 @@ def cmd_check(args) -> int:
 def cmd_serve(args) -> int:
     import signal
     import threading
+
+    import ray
 
     from pdserve.cluster.serve import running_server
 
@@ -111,8 +118,13 @@ def cmd_serve(args) -> int:
         while not stop.wait(0.5):
             if end is not None and time.monotonic() > end:
                 break
-        print("pdserve: shutting down ...", flush=True)
-    print("pdserve: stopped", flush=True)
+        print(f"pdserve: shutting down: new requests get 503; {router.in_flight} in flight get "
+              f"up to {cfg.api.drain_s:g} s (api.drain_s) ...", flush=True)
+        finished, ended = router.drain(cfg.api.drain_s)
+    # the embedded Ray's processes stop with it (attached to a cluster: this driver leaves it)
+    ray.shutdown()
+    print(f"pdserve: stopped ({finished} request(s) finished in the drain, {ended} ended with "
+          "an error event; every instance stopped)", flush=True)
     return 0
 
 

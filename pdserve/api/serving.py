@@ -12,16 +12,18 @@ import uvicorn
 
 @contextmanager
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_s: float = 30.0,
-                    shutdown_s: float = 15.0):
-    """Yields the base URL; port 0 takes a free port. Raises RuntimeError when the server does
-    not start in time or does not stop in time."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise RuntimeError(f"cannot listen on {host}:{port}: {exc}") from None
+                    shutdown_s: float = 15.0, sock: socket.socket | None = None):
+    """Yields the base URL; port 0 takes a free port; `sock`, when given, is a socket already
+    bound to host:port (the caller bound it early and closes it). Raises RuntimeError when the
+    server does not start in time or does not stop in time."""
+    if sock is None:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise RuntimeError(f"cannot listen on {host}:{port}: {exc}") from None
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
                               name="pdserve-http")
