@@ -109,6 +109,8 @@ class ApiSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_timeout_s: float = 300.0
     max_body_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, refused unread
     body_timeout_s: float = 10.0           # a body not received by then is a 408
+    drain_s: float = 30.0                  # on SIGTERM/SIGINT: time in-flight requests get
+                                           # to finish before they end with an error
 
 
 class ResourcesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -190,6 +192,9 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                  "resources.call_timeout_s"):
         section, field = name.split(".")
         _positive(name, getattr(getattr(cfg, section), field))
+    if cfg.api.drain_s < 0:
+        raise ConfigError("api.drain_s", f"must be >= 0 (0 = end requests in flight at once), "
+                          f"got {cfg.api.drain_s}")
     for field in ("torch_threads", "prefill_idle_threads"):
         if getattr(cfg.resources, field) < 0:
             raise ConfigError(f"resources.{field}", f"must be >= 0, got "

@@ -56,6 +56,27 @@ IDLE_POLL_S = 1.0
 EVENTS_WAIT_S = 1.0
 
 
+class _Ended(Exception):
+    """`drain` ended the request."""
+
+
+async def _next_or_end(events: AsyncIterator[TokenEvent], ended: asyncio.Future
+                       ) -> TokenEvent | None:
+    """The next event of `events` (None after the last), or `_Ended` when `ended` is set
+    first: then the pending read is cancelled, which leaves the request wherever it waits
+    (prefill, transfer, decode) and cancels it there, as when a client goes away."""
+    step = asyncio.ensure_future(anext(events, None))
+    try:
+        await asyncio.wait((step, ended), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not step.done():
+            step.cancel()
+            await asyncio.wait((step,))  # let the request unwind before its stream is closed
+    if step.cancelled():
+        raise _Ended
+    return step.result()
+
+
 class PrefillQueue:
     """Feeds one prefill instance: a worker thread takes whatever is queued (up to `max_batch`
     new requests per call) and calls `prefill` on the instance's ranks, again and again while
@@ -273,14 +294,17 @@ class Router:
         self.max_queue = max_queue
         self.in_flight = 0
         self.resumed = self.retries = 0
-        self._closed = False
+        self._closed = self._draining = False
+        self._idle = threading.Event()  # nothing in flight
+        self._idle.set()
+        self._ends: set = set()  # (loop, future) per request in flight, for `drain`
         self._wake = threading.Event()  # a request arrived: leave the idle poll interval now
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="router-poll")
         self._poller.start()
 
     # -- GenerationBackend ------------------------------------------------------------------
     async def generate(self, request: Request, deadline_s: float | None) -> AsyncIterator[TokenEvent]:
-        if self._closed:
+        if self._closed or self._draining:
             raise BackendUnavailable("the server is shutting down")
         if self.in_flight >= self.max_queue:
             raise Overloaded(f"{self.in_flight} requests in flight (max {self.max_queue})", 1.0)
@@ -288,105 +312,126 @@ class Router:
         if why is not None:
             raise BackendUnavailable(why)
         self.in_flight += 1
+        self._idle.clear()
         self._wake.set()
+        # set by `drain` once the drain time ran out: the request ends with an error event
+        ended = (asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+        self._ends.add(ended)
+        try:
+            tokens = 0
+            async with aclosing(self._generate(request, deadline_s)) as events:
+                while (ev := await _next_or_end(events, ended[1])) is not None:
+                    yield ev
+                    tokens += ev.token is not None
+                    if ev.finish_reason is not None:
+                        return
+        except _Ended:
+            msg = "the server shut down before this request finished (api.drain_s ran out)"
+            yield TokenEvent(request.request_id, None, tokens, "error", msg,
+                             BackendUnavailable(msg))
+        finally:
+            self._ends.discard(ended)
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def _generate(self, request: Request,
+                        deadline_s: float | None) -> AsyncIterator[TokenEvent]:
         end = None if deadline_s is None else time.monotonic() + deadline_s
         rid = request.request_id
         # one seed for every attempt: a resumed request continues the same random stream
         request = Request(rid, request.prompt, request.params.with_seed())
         emitted: list[int] = []
         transfer_retry = True
-        try:
-            current = request
-            while True:
-                handle, skip = None, 0
-                if not self.monolithic:
-                    handle = await self._prefill(current, end)
-                slot = self._pick_decode()
-                if slot is None:
-                    if handle is not None:
-                        self._cancel_source(handle)
-                    raise BackendUnavailable(f"no live {self.kind} instance")
-                failed = None
-                # The first token is the prefill's: stream it now, not after the transfer and
-                # decode admission (TTFT is the prefill's latency), and drop the decode stream's
-                # copy of it.
-                if handle is not None and handle.finished is None:
-                    emitted.append(handle.first_token)
-                    yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None,
-                                     logprob=handle.first_logprob,
-                                     prompt_logprobs=handle.prompt_logprobs)
-                    skip = 1
-                decoded = 0
-                left = None if end is None else max(end - time.monotonic(), 0.01)
-                # a decode instance takes the state handle, a monolithic one the request
-                work = current if handle is None else handle
-                async with aclosing(slot.stream(work, current.request_id, left)) as events:
-                    async for ev in events:
-                        if ev.token is not None:
-                            decoded += 1
-                            if decoded <= skip:
-                                if ev.finish_reason is not None:  # it also ended the request
-                                    yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
-                                continue
-                            emitted.append(ev.token)
-                            yield msgspec.structs.replace(ev, request_id=rid,
-                                                          index=len(emitted) - 1)
-                        elif ev.finish_reason == "error":
-                            failed = ev
-                        else:
-                            yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
-                if failed is None:
+        current = request
+        while True:
+            handle, skip = None, 0
+            if not self.monolithic:
+                handle = await self._prefill(current, end)
+            slot = self._pick_decode()
+            if slot is None:
+                if handle is not None:
+                    self._cancel_source(handle)
+                raise BackendUnavailable(f"no live {self.kind} instance")
+            failed = None
+            # The first token is the prefill's: stream it now, not after the transfer and
+            # decode admission (TTFT is the prefill's latency), and drop the decode stream's
+            # copy of it.
+            if handle is not None and handle.finished is None:
+                emitted.append(handle.first_token)
+                yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None,
+                                 logprob=handle.first_logprob,
+                                 prompt_logprobs=handle.prompt_logprobs)
+                skip = 1
+            decoded = 0
+            left = None if end is None else max(end - time.monotonic(), 0.01)
+            # a decode instance takes the state handle, a monolithic one the request
+            work = current if handle is None else handle
+            async with aclosing(slot.stream(work, current.request_id, left)) as events:
+                async for ev in events:
+                    if ev.token is not None:
+                        decoded += 1
+                        if decoded <= skip:
+                            if ev.finish_reason is not None:  # it also ended the request
+                                yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
+                            continue
+                        emitted.append(ev.token)
+                        yield msgspec.structs.replace(ev, request_id=rid,
+                                                      index=len(emitted) - 1)
+                    elif ev.finish_reason == "error":
+                        failed = ev
+                    else:
+                        yield TokenEvent(rid, None, len(emitted), ev.finish_reason)
+            if failed is None:
+                return
+            # what failed, and can we go on elsewhere? (decided on the type)
+            err, why = remote_cause(failed.exc) if failed.exc else None, failed.error or "error"
+            lost = self._mark_lost(err)
+            if lost is not None:
+                # an instance died (the decode instance, or the prefill instance holding the
+                # state): prefill again and resume on a live one
+                log.warning("%s instance %s lost: %s", lost.role, lost.name, why)
+            elif isinstance(err, PoolExhausted):
+                if handle is not None:
+                    self._cancel_source(handle)
+                if emitted:  # the first token is out: a 429 can no longer be sent
+                    yield TokenEvent(rid, None, len(emitted), "error",
+                                     f"{self.kind} instances are full: {why}", err)
                     return
-                # what failed, and can we go on elsewhere? (decided on the type)
-                err, why = remote_cause(failed.exc) if failed.exc else None, failed.error or "error"
-                lost = self._mark_lost(err)
-                if lost is not None:
-                    # an instance died (the decode instance, or the prefill instance holding the
-                    # state): prefill again and resume on a live one
-                    log.warning("%s instance %s lost: %s", lost.role, lost.name, why)
-                elif isinstance(err, PoolExhausted):
-                    if handle is not None:
-                        self._cancel_source(handle)
-                    if emitted:  # the first token is out: a 429 can no longer be sent
-                        yield TokenEvent(rid, None, len(emitted), "error",
-                                         f"{self.kind} instances are full: {why}", err)
-                        return
-                    raise Overloaded(f"{self.kind} instances are full: {why}", 1.0) from err
-                elif isinstance(err, BadRequest):
-                    if handle is not None:
-                        self._cancel_source(handle)
-                    if emitted:
-                        yield TokenEvent(rid, None, len(emitted), "error", why, err)
-                        return
-                    raise err
-                elif (decoded or not transfer_retry or isinstance(err, DeadlineExceeded)
-                      or self.monolithic):
-                    # failed mid-stream, or the retry is spent, or no time is left, or nothing
-                    # was transferred to retry (monolithic): no silent second attempt
+                raise Overloaded(f"{self.kind} instances are full: {why}", 1.0) from err
+            elif isinstance(err, BadRequest):
+                if handle is not None:
+                    self._cancel_source(handle)
+                if emitted:
                     yield TokenEvent(rid, None, len(emitted), "error", why, err)
                     return
-                else:  # a transfer failure (TransferError), or one of no known type: once more
-                    transfer_retry = False
-                    self.retries += 1
-                    log.warning("request %s: retrying after %s", rid, why)
-                if not any(d.inst.alive for d in self.decode):
-                    if not emitted:  # nothing is out yet: the client can still get a 503
-                        raise BackendUnavailable(f"no live {self.kind} instance left ({why})")
-                    yield TokenEvent(rid, None, len(emitted), "error",
-                                     f"no live {self.kind} instance left ({why})", err)
-                    return
-                if emitted and not any(p.inst.alive for p in self.prefill) and not self.monolithic:
-                    # tokens are out: an error event, not a 503 the client can no longer get
-                    yield TokenEvent(rid, None, len(emitted), "error",
-                                     f"no live prefill instance left ({why})", err)
-                    return
-                current = self._resume(request, emitted)
-                if current is None:  # everything had been streamed already
-                    yield TokenEvent(rid, None, len(emitted), "length")
-                    return
-                self.resumed += bool(emitted)
-        finally:
-            self.in_flight -= 1
+                raise err
+            elif (decoded or not transfer_retry or isinstance(err, DeadlineExceeded)
+                  or self.monolithic):
+                # failed mid-stream, or the retry is spent, or no time is left, or nothing
+                # was transferred to retry (monolithic): no silent second attempt
+                yield TokenEvent(rid, None, len(emitted), "error", why, err)
+                return
+            else:  # a transfer failure (TransferError), or one of no known type: once more
+                transfer_retry = False
+                self.retries += 1
+                log.warning("request %s: retrying after %s", rid, why)
+            if not any(d.inst.alive for d in self.decode):
+                if not emitted:  # nothing is out yet: the client can still get a 503
+                    raise BackendUnavailable(f"no live {self.kind} instance left ({why})")
+                yield TokenEvent(rid, None, len(emitted), "error",
+                                 f"no live {self.kind} instance left ({why})", err)
+                return
+            if emitted and not any(p.inst.alive for p in self.prefill) and not self.monolithic:
+                # tokens are out: an error event, not a 503 the client can no longer get
+                yield TokenEvent(rid, None, len(emitted), "error",
+                                 f"no live prefill instance left ({why})", err)
+                return
+            current = self._resume(request, emitted)
+            if current is None:  # everything had been streamed already
+                yield TokenEvent(rid, None, len(emitted), "length")
+                return
+            self.resumed += bool(emitted)
 
     def stats(self) -> dict[str, float]:
         out = {"in_flight": self.in_flight, "resumed": self.resumed, "retries": self.retries,
@@ -402,13 +447,30 @@ class Router:
         return out
 
     def health(self) -> str | None:
-        if self._closed:
+        if self._closed or self._draining:
             return "shutting down"
         if not self.monolithic and not any(p.inst.alive for p in self.prefill):
             return "no live prefill instance"
         if not any(d.inst.alive for d in self.decode):
             return f"no live {self.kind} instance"
         return None
+
+    def drain(self, drain_s: float, end_wait_s: float = 10.0) -> tuple[int, int]:
+        """Stop taking requests (they get 503), give those in flight up to `drain_s` to
+        finish, then end the rest with an error event (their state freed as for a cancelled
+        request), waiting up to `end_wait_s` for them to go. Callable from any thread;
+        returns (requests that finished in the drain, requests ended)."""
+        self._draining = True
+        waiting = self.in_flight
+        self._idle.wait(drain_s)
+        ends = list(self._ends)
+        for loop, fut in ends:
+            try:
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+            except RuntimeError:  # its event loop is closed: nothing of it runs
+                pass
+        self._idle.wait(end_wait_s)
+        return max(waiting - len(ends), 0), len(ends)
 
     async def close(self) -> None:
         self._closed = True

@@ -26,6 +26,7 @@ def test_shipped_configs_validate(path):
     ("[api]\nport = 70000\n", "api.port", "1..65535"),
     ("[api]\nmax_body_bytes = 0\n", "api.max_body_bytes", "positive"),
     ("[api]\nbody_timeout_s = -1\n", "api.body_timeout_s", "positive"),
+    ("[api]\ndrain_s = -1\n", "api.drain_s", ">= 0"),
     ("[decode]\nmla_fp8_query = \"half\"\n", "decode.mla_fp8_query", "split"),
     ("[decode]\nbackend = \"cutedsl\"\nmla_fp8_query = \"single\"\n", "decode.mla_fp8_query",
      "float8_e4m3fn"),

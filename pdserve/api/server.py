@@ -717,6 +717,8 @@ def _status(exc: BaseException | None) -> int:
         return exc.status
     if isinstance(exc, DeadlineExceeded):  # the backend enforces the same deadline and may
         return 504                          # notice it first
+    if isinstance(exc, BackendUnavailable):  # e.g. ended by the shutdown's drain
+        return 503
     return 500
 
 
