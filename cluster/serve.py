@@ -74,46 +74,95 @@ def prepare_vllm_model(cfg: ServeConfig, model, progress=print) -> Path:
     return ensure_export(path, model, cfg.model.seed, cfg.model.dtype) if export else path
 
 
+class Builder:
+    """Starts the config's instances on Ray: each one at start-up (generation 0), and a new
+    generation of one whose rank died when the router rebuilds it (`rebuild_prefill`,
+    `rebuild_decode`: started in a placement group of its own and wired as `assemble` wired
+    the first)."""
+
+    def __init__(self, cfg: ServeConfig, model, progress=print):
+        self.cfg, self.model = cfg, model
+        checkpoint = None
+        if cfg.model.name not in PRESETS and any(Path(cfg.model.name).glob("*.safetensors")):
+            checkpoint = cfg.model.name
+        self.model_dir = prepare_vllm_model(cfg, model, progress) if cfg.vllm else None
+        if self.model_dir is not None:
+            checkpoint = str(self.model_dir)  # decode loads exactly the weights vLLM loads
+        self.common = dict(config=model, seed=cfg.model.seed, checkpoint=checkpoint,
+                           device=cfg.device, dtype=cfg.model.dtype)
+
+    def prefill(self, name: str, generation: int = 0) -> Instance:
+        cfg, res = self.cfg, self.cfg.resources
+        if cfg.vllm:
+            return start_engine_instance(
+                name, generation, VLLM_FACTORY, (vllm_engine_config(cfg, self.model_dir),),
+                res.cpus_per_rank, cfg.prefill.tp, res.call_timeout_s,
+                cfg.prefill.vllm.start_timeout_s, vllm_env(cfg))
+        return start_instance(
+            "prefill", name, generation, cfg.prefill.tp,
+            dict(self.common, layout=cfg.layout(cfg.prefill.conv_layout),
+                 num_pages=cfg.prefill.num_pages, num_slots=cfg.prefill.num_slots,
+                 lease_s=cfg.transfer.lease_s, chunk_tokens=cfg.prefill.chunk_tokens or None,
+                 # pages laid out per decode DCP rank: one read per rank and layer
+                 decode_topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave)),
+            res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads)
+
+    def decode(self, name: str, generation: int = 0) -> Instance:
+        # a monolithic instance is a decode instance whose ranks prefill each request themselves
+        cfg, res = self.cfg, self.cfg.resources
+        return start_instance("monolithic" if cfg.monolithic else "decode", name, generation,
+                              cfg.decode.tp, dict(self.common, **decode_kwargs(cfg)),
+                              res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s,
+                              res.torch_threads)
+
+    def rebuild_prefill(self, old: Instance, prefill: list[Instance],
+                        decode: list[DecodeSlot]) -> Instance:
+        """`old`'s next generation, connected to the decode ranks; with `transfer.verify` each
+        decode instance learns where the new source's digests come from."""
+        new = self.prefill(old.name, old.generation + 1)
+        try:
+            if self.cfg.vllm:
+                check_vllm_geometry(self.cfg, new.ranks.call("geometry")[0])
+            new.ranks.call("connect", [a for d in decode for a in d.inst.agents])
+            if self.cfg.transfer.verify:
+                sources = SourceDigests([new if p.name == old.name else p for p in prefill])
+                for d in decode:
+                    if d.inst.alive:
+                        d.server.sources(sources)
+        except Exception:
+            new.kill()
+            raise
+        return new
+
+    def rebuild_decode(self, old: Instance, prefill: list[Instance]) -> DecodeSlot:
+        """`old`'s next generation, serving; every live prefill instance connected to it."""
+        new = self.decode(old.name, old.generation + 1)
+        try:
+            for p in prefill:
+                if p.alive and new.agents:
+                    p.ranks.call("connect", new.agents)
+            return decode_slot(self.cfg, self.model, new, prefill)
+        except Exception:
+            new.kill()
+            raise
+
+
 def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -> Router:
-    """Start every instance (with placement groups) and return the router over them."""
+    """Start every instance (with placement groups) and return the router over them, which
+    rebuilds an instance whose rank dies (`Builder`)."""
     _init_ray(cfg, address)
-    checkpoint = None
-    if cfg.model.name not in PRESETS and any(Path(cfg.model.name).glob("*.safetensors")):
-        checkpoint = cfg.model.name
-    model_dir = prepare_vllm_model(cfg, model, progress) if cfg.vllm else None
-    if model_dir is not None:
-        checkpoint = str(model_dir)  # decode loads exactly the weights vLLM loads
-    common = dict(config=model, seed=cfg.model.seed, checkpoint=checkpoint, device=cfg.device,
-                  dtype=cfg.model.dtype)
-    res = cfg.resources
+    build = Builder(cfg, model, progress)
     prefill, decode = [], []
     try:
         for i in range(0 if cfg.monolithic else cfg.prefill.instances):
             progress(f"starting prefill-{i} (TP {cfg.prefill.tp}, engine {cfg.prefill.engine}) ...")
-            if cfg.vllm:
-                prefill.append(start_engine_instance(
-                    f"prefill-{i}", 0, VLLM_FACTORY, (vllm_engine_config(cfg, model_dir),),
-                    res.cpus_per_rank, cfg.prefill.tp, res.call_timeout_s,
-                    cfg.prefill.vllm.start_timeout_s, vllm_env(cfg)))
-                continue
-            prefill.append(start_instance(
-                "prefill", f"prefill-{i}", 0, cfg.prefill.tp,
-                dict(common, layout=cfg.layout(cfg.prefill.conv_layout),
-                     num_pages=cfg.prefill.num_pages, num_slots=cfg.prefill.num_slots,
-                     lease_s=cfg.transfer.lease_s, chunk_tokens=cfg.prefill.chunk_tokens or None,
-                     # pages laid out per decode DCP rank: one read per rank and layer
-                     decode_topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave)),
-                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
-        # a monolithic instance is a decode instance whose ranks prefill each request themselves
+            prefill.append(build.prefill(f"prefill-{i}"))
         role = "monolithic" if cfg.monolithic else "decode"
         for i in range(cfg.decode.instances):
             progress(f"starting {role}-{i} (TP {cfg.decode.tp}, backend {cfg.decode.backend}"
                      f"{', prefill + decode' if cfg.monolithic else ''}) ...")
-            decode.append(start_instance(
-                role, f"{role}-{i}", 0, cfg.decode.tp,
-                dict(common, **decode_kwargs(cfg)),
-                res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads))
-        return assemble(cfg, model, prefill, decode)
+            decode.append(build.decode(f"{role}-{i}"))
+        return assemble(cfg, model, prefill, decode, build)
     except Exception:
         for inst in prefill + decode:
             inst.kill()
@@ -142,36 +191,39 @@ def decode_kwargs(cfg: ServeConfig) -> dict:
                 mla_deterministic=cfg.decode.mla_deterministic)
 
 
-def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Instance]) -> Router:
+def decode_slot(cfg: ServeConfig, model, d: Instance, prefill: list[Instance]) -> DecodeSlot:
+    """Decode instance `d`'s decode loop (`DecodeServer`), started in its rank-0 actor (or here
+    for in-process ranks), reading state from `prefill`; the router's slot over it."""
+    engine = dict(layout=cfg.decode_layout(), eos=_eos(model),
+                  topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave),
+                  digests=SourceDigests(prefill) if cfg.transfer.verify else None,
+                  idle_threads=cfg.resources.prefill_idle_threads)
+    max_batch = min(cfg.decode.max_batch, cfg.decode.num_slots - 1)
+    if getattr(d.ranks, "actors", None):  # the loop runs in the instance's rank 0
+        return DecodeSlot(d, serve_decode(d, engine, max_batch, cfg.api.max_queue))
+    # in-process ranks: the loop runs here
+    return DecodeSlot(d, DecodeServer(DecodeInstance(d.name, d.ranks, local_prefill=cfg.monolithic,
+                                                     **engine), max_batch, cfg.api.max_queue,
+                                      lambda: d.ranks.call("stats")[0]))
+
+
+def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Instance],
+             build: Builder | None = None) -> Router:
     """The router over started prefill and decode instances (Ray actors or in-process): every
     prefill instance learns the decode ranks' agents, and each decode instance runs its decode
-    loop (`DecodeServer`): in its rank-0 actor, or here for in-process ranks.
-    A vLLM instance's cache layout is checked against the config first. In monolithic mode
-    `prefill` is empty and the decode instances prefill locally."""
+    loop (`decode_slot`). A vLLM instance's cache layout is checked against the config first.
+    In monolithic mode `prefill` is empty and the decode instances prefill locally. With
+    `build` the router rebuilds an instance whose rank dies; without it (in-process ranks) a
+    dead instance stays dead."""
     if cfg.vllm:
         for p in prefill:
             check_vllm_geometry(cfg, p.ranks.call("geometry")[0])
     agents = [a for d in decode for a in d.agents]
     for p in prefill:
         p.ranks.call("connect", agents)
-    engine = dict(layout=cfg.decode_layout(), eos=_eos(model),
-                  topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave),
-                  digests=SourceDigests(prefill) if cfg.transfer.verify else None,
-                  idle_threads=cfg.resources.prefill_idle_threads)
-    max_batch = min(cfg.decode.max_batch, cfg.decode.num_slots - 1)
-    slots = []
-    for d in decode:
-        if getattr(d.ranks, "actors", None):  # the loop runs in the instance's rank 0
-            server = serve_decode(d, engine, max_batch, cfg.api.max_queue)
-        else:  # in-process ranks: the loop runs here
-            server = DecodeServer(DecodeInstance(d.name, d.ranks, local_prefill=cfg.monolithic,
-                                                 **engine), max_batch, cfg.api.max_queue,
-                                  lambda d=d: d.ranks.call("stats")[0])
-        slots.append(DecodeSlot(d, server))
-    router = Router(cfg.model.name, max_context(cfg), prefill, slots, cfg.api.max_queue,
-                    cfg.resources.prefill_idle_threads)
-    router.instances = prefill + decode
-    return router
+    slots = [decode_slot(cfg, model, d, prefill) for d in decode]
+    return Router(cfg.model.name, max_context(cfg), prefill, slots, cfg.api.max_queue,
+                  cfg.resources.prefill_idle_threads, build)
 
 
 def assemble_local(cfg: ServeConfig, model, prefill_engines: list, decode_ranks: list) -> Router:
@@ -190,8 +242,21 @@ def assemble_local(cfg: ServeConfig, model, prefill_engines: list, decode_ranks:
 
 
 def stop(router: Router) -> None:
-    for inst in getattr(router, "instances", []):
+    router.closing()  # no rebuild starts now; one under way kills what it built
+    for inst in router.instances:
         inst.kill()
+
+
+# VllmPrefill asks vLLM for the first token only: no logprobs for it or the prompt
+VLLM_NO_LOGPROBS = ("prefill.engine = \"vllm\" prefills the prompt and samples the first token "
+                    "in vLLM, which returns no logprobs for them (echo without logprobs works)")
+
+
+def app_options(cfg: ServeConfig) -> dict:
+    """`create_app`'s keyword arguments from the config."""
+    return dict(request_timeout_s=cfg.api.request_timeout_s,
+                max_body_bytes=cfg.api.max_body_bytes, body_timeout_s=cfg.api.body_timeout_s,
+                no_logprobs=VLLM_NO_LOGPROBS if cfg.vllm else None)
 
 
 @contextmanager
@@ -210,9 +275,7 @@ def running_server(cfg: ServeConfig, model, address: str | None = None, progress
         raise
     try:
         app = create_app(router, load_tokenizer(cfg.model.name, model.vocab_size),
-                         request_timeout_s=cfg.api.request_timeout_s,
-                         max_body_bytes=cfg.api.max_body_bytes,
-                         body_timeout_s=cfg.api.body_timeout_s)
+                         **app_options(cfg))
         with serve_in_thread(app, cfg.api.host, cfg.api.port, sock=sock) as url:
             yield url, router
     finally:

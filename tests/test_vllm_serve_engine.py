@@ -227,3 +227,48 @@ def test_the_serving_modules_import_without_ray():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_logprobs_are_a_400_naming_the_field_on_the_vllm_engine():
+    """vLLM prefills the prompt and samples the first token without logprobs, so a deployment
+    with prefill.engine = "vllm" refuses them (chat, completions, echo) with a 400 that names
+    `logprobs`, decided from the config; echo alone and the reference engine still serve."""
+    import openai
+
+    from pdserve.api.backend import LocalBackend
+    from pdserve.api.server import create_app
+    from pdserve.api.serving import serve_in_thread
+    from pdserve.api.tokenizer import ByteLevelTokenizer
+    from pdserve.cluster.serve import app_options
+
+    ref = ServeConfig()
+    vllm_cfg = msgspec.structs.replace(ref, prefill=msgspec.structs.replace(ref.prefill,
+                                                                            engine="vllm"))
+    assert vllm_cfg.vllm and not ref.vllm
+    model = build_model(preset("tiny"), seed=0)
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                logprobs=True, top_logprobs=2)
+    for cfg in (vllm_cfg, ref):
+        backend = LocalBackend(ReferenceEngine(model), model_name="tiny", max_batch=4,
+                               max_queue=8)
+        app = create_app(backend, ByteLevelTokenizer(), **app_options(cfg))
+        with serve_in_thread(app, startup_s=30, shutdown_s=30) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                   timeout=30)
+            echo = client.completions.create(model="tiny", prompt="abc", max_tokens=2,
+                                             echo=True)
+            assert echo.choices[0].text.startswith("abc")
+            if cfg is ref:  # the same requests are served where logprobs exist
+                got = client.chat.completions.create(**chat).choices[0].logprobs.content
+                assert len(got) == 3 and all(len(e.top_logprobs) == 2 for e in got)
+                continue
+            for call, kw in ((client.chat.completions.create, chat),
+                             (client.completions.create,
+                              dict(model="tiny", prompt="abc", max_tokens=1, logprobs=0)),
+                             (client.completions.create,
+                              dict(model="tiny", prompt="abc", max_tokens=0, echo=True,
+                                   logprobs=1))):
+                with pytest.raises(openai.BadRequestError) as err:
+                    call(**kw)
+                assert err.value.param == "logprobs", err.value
+                assert 'prefill.engine = "vllm"' in err.value.message

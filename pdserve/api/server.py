@@ -401,8 +401,9 @@ class _ClosingStream(StreamingResponse):
 class _Api:
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer,
                  request_timeout_s: float, default_max_tokens: int, max_body_bytes: int,
-                 body_timeout_s: float):
+                 body_timeout_s: float, no_logprobs: str | None):
         self.backend, self.tokenizer = backend, tokenizer
+        self.no_logprobs = no_logprobs
         self.timeout, self.default_max_tokens = request_timeout_s, default_max_tokens
         self.max_body, self.body_timeout = max_body_bytes, body_timeout_s
         self.metrics = ApiMetrics(backend)
@@ -417,6 +418,9 @@ class _Api:
         if body.stream_options is not None and not body.stream:
             raise _bad("stream_options is only allowed with stream=true", "stream_options")
         logprobs = _logprobs(body)
+        if logprobs is not None and self.no_logprobs:
+            raise _bad(f"logprobs is not supported by this deployment: {self.no_logprobs}",
+                       "logprobs")
         if chat:
             messages = _chat_messages(body.messages)
             self._check_length(sum(len(m["content"]) for m in messages), "messages", "messages")
@@ -837,16 +841,19 @@ def _event(body: dict) -> bytes:
 
 def create_app(backend: GenerationBackend, tokenizer: Tokenizer, request_timeout_s: float = 300.0,
                default_max_tokens: int = 16, max_body_bytes: int = MAX_BODY_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout_s: float = BODY_TIMEOUT_S, no_logprobs: str | None = None
+               ) -> FastAPI:
     """The API app. It owns `backend` from then on: the backend is closed when the app shuts
     down. `default_max_tokens` applies when a request gives no limit (OpenAI's is 16); a body
-    larger than `max_body_bytes` is a 413, one not received within `body_timeout_s` a 408."""
+    larger than `max_body_bytes` is a 413, one not received within `body_timeout_s` a 408.
+    `no_logprobs`, when set, says why the backend has no logprobs: a request for them (chat or
+    completions, echo included) is then a 400 naming `logprobs` and giving that reason."""
     for name, value in (("request_timeout_s", request_timeout_s),
                         ("max_body_bytes", max_body_bytes), ("body_timeout_s", body_timeout_s)):
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     api = _Api(backend, tokenizer, request_timeout_s, default_max_tokens, max_body_bytes,
-               body_timeout_s)
+               body_timeout_s, no_logprobs)
 
     @asynccontextmanager
     async def lifespan(_app):
