@@ -4,7 +4,7 @@ from safetensors.torch import load_file
 
 from pdserve.model.config import load_config, preset
 from pdserve.model.generate import build_model
-from pdserve.model.model import HybridModel, NotSupportedYet
+from pdserve.model.model import HybridModel
 from pdserve.model.parallel import TPGroup
 from pdserve.model.weights import WEIGHTS_FILE, full_state, load_checkpoint, save_checkpoint
 
@@ -68,11 +68,6 @@ def test_bad_checkpoints_name_the_tensor(tmp_path):
         build_model(cfg, checkpoint=str(tmp_path / "shape"))
     with pytest.raises(FileNotFoundError):
         build_model(cfg, checkpoint=str(tmp_path))
-
-
-def test_k3_parses_but_refuses_unimplemented_features():
-    with pytest.raises(NotSupportedYet, match="AttnRes.*latent MoE.*SiTU"):
-        HybridModel(preset("kimi-k3"))
 
 
 def test_export_checkpoint_without_a_model_equals_the_seeded_model(tmp_path):

@@ -14,6 +14,8 @@ import msgspec
 
 ACTIVATIONS = ("silu", "situ")
 ROUTER_FUNCS = ("sigmoid", "softmax")
+# AttnRes sources: vLLM 0.33's AttnRes kernels hold at most this many blocks (+ the prefix)
+MAX_ATTN_RES_BLOCKS = 8
 
 
 class ConfigError(ValueError):
@@ -79,6 +81,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     activation_situ_beta: float | None = None
     activation_situ_linear_beta: float | None = None
     attn_res_block_size: int | None = None  # K3 AttnRes
+    # K3's MTP drafter layers: checkpoint tensors beyond the main model (not built here)
+    num_nextn_predict_layers: int = 0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -106,18 +110,6 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     def latent_width(self) -> int:
         """Elements per cached MLA token row: [c_kv | k_pe]."""
         return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def unsupported_features(self) -> list[str]:
-        """Parsed K3 features the reference model does not implement yet."""
-        out = []
-        if self.attn_res_block_size is not None:
-            out.append(f"AttnRes (attn_res_block_size={self.attn_res_block_size})")
-        if self.routed_expert_hidden_size is not None:
-            out.append(f"latent MoE (routed_expert_hidden_size={self.routed_expert_hidden_size})")
-        if self.hidden_act == "situ":
-            out.append("SiTU activation (hidden_act='situ')")
-        return out
 
     def to_hf_dict(self) -> dict[str, Any]:
         d = msgspec.to_builtins(self)
@@ -155,10 +147,17 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError("hidden_act", f"unknown activation {self.hidden_act!r}; "
                               f"expected one of {ACTIVATIONS}")
-        if self.hidden_act == "situ" and (self.activation_situ_beta is None
-                                          or self.activation_situ_linear_beta is None):
-            raise ConfigError("activation_situ_beta", "hidden_act='situ' needs "
-                              "activation_situ_beta and activation_situ_linear_beta")
+        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+            value = getattr(self, name)
+            if self.hidden_act == "situ" and value is None:
+                raise ConfigError(name, "hidden_act='situ' needs activation_situ_beta and "
+                                  "activation_situ_linear_beta")
+            if value is not None and not value > 0:
+                raise ConfigError(name, f"must be positive, got {value}")
+        self._validate_attn_res()
+        if self.num_nextn_predict_layers < 0:
+            raise ConfigError("num_nextn_predict_layers",
+                              f"must be >= 0, got {self.num_nextn_predict_layers}")
         if la.gate_lower_bound is not None and not -5.0 <= la.gate_lower_bound < 0.0:
             raise ConfigError("linear_attn_config.gate_lower_bound",
                               f"must be in [-5, 0), got {la.gate_lower_bound}")
@@ -189,9 +188,38 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
             raise ConfigError("linear_attn_config.kda_layers",
                               f"layers {missing} are in neither kda_layers nor full_attn_layers")
 
+    def _validate_attn_res(self) -> None:
+        b = self.attn_res_block_size
+        if b is None:
+            return
+        if b < 1:
+            raise ConfigError("attn_res_block_size", f"must be >= 1, got {b}")
+        blocks = -(-self.num_hidden_layers // b)  # the embedding's block + one per B-1 layers
+        if blocks > MAX_ATTN_RES_BLOCKS:
+            raise ConfigError("attn_res_block_size",
+                              f"{b} makes {blocks} AttnRes blocks over num_hidden_layers="
+                              f"{self.num_hidden_layers}; at most {MAX_ATTN_RES_BLOCKS} "
+                              f"(vLLM's AttnRes kernels)")
+
+    def _validate_latent_moe(self) -> None:
+        latent = self.routed_expert_hidden_size
+        if latent is None:
+            if self.latent_moe_use_norm:
+                raise ConfigError("latent_moe_use_norm",
+                                  "needs routed_expert_hidden_size (the latent MoE)")
+            return
+        if self.num_experts is None:
+            raise ConfigError("routed_expert_hidden_size", "set without num_experts (no MoE)")
+        if latent <= 0:
+            raise ConfigError("routed_expert_hidden_size", f"must be positive, got {latent}")
+
     def _validate_moe(self) -> None:
+        self._validate_latent_moe()
         if self.num_experts is None:
             return
+        if not self.routed_scaling_factor > 0:
+            raise ConfigError("routed_scaling_factor",
+                              f"must be positive, got {self.routed_scaling_factor}")
         if self.num_experts <= 0:
             raise ConfigError("num_experts", f"must be positive, got {self.num_experts}")
         if not 1 <= self.num_experts_per_token <= self.num_experts:
@@ -380,6 +408,27 @@ def reduced_kimi_linear(num_layers: int = 4, num_experts: int = 8, top_k: int = 
                   num_experts=num_experts, num_experts_per_token=top_k, vocab_size=vocab_size,
                   linear_attn_config={**preset_dict("kimi-linear-48b-a3b")["linear_attn_config"],
                                       **_layers(num_layers, mla)})
+
+
+def reduced_kimi_k3(num_layers: int = 5, hidden_size: int = 192, kda_heads: int = 96,
+                    mla_heads: int = 96, head_dim: int = 16, num_experts: int = 16,
+                    top_k: int = 4, attn_res_block_size: int = 2, vocab_size: int = 512,
+                    tp: int = 1) -> ModelConfig:
+    """kimi-k3's structure (AttnRes, latent MoE at hidden/2 with 2 shared experts, SiTU, bounded
+    full-rank-gated KDA, q_lora + output-gated MLA) at small dims for CPU tests: 96 KDA and 96 MLA
+    heads by default, of `head_dim` (KDA head and MLA nope/v dims). MLA sits at every 4th layer
+    and the last, as in the full model; a small block size gives several AttnRes blocks."""
+    mla = sorted({i for i in range(4, num_layers + 1, 4)} | {num_layers})
+    la = {**preset_dict("kimi-k3")["text_config"]["linear_attn_config"],
+          **_layers(num_layers, mla), "num_heads": kda_heads, "head_dim": head_dim}
+    return preset("kimi-k3", tp=tp, num_hidden_layers=num_layers, hidden_size=hidden_size,
+                  intermediate_size=2 * hidden_size, vocab_size=vocab_size, linear_attn_config=la,
+                  num_attention_heads=mla_heads, q_lora_rank=3 * head_dim,
+                  kv_lora_rank=2 * head_dim, qk_nope_head_dim=head_dim,
+                  qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
+                  num_experts=num_experts, num_experts_per_token=top_k,
+                  moe_intermediate_size=2 * head_dim, routed_expert_hidden_size=hidden_size // 2,
+                  attn_res_block_size=attn_res_block_size, torch_dtype="float32")
 
 
 def load_model_config(spec: str, tp: int = 1) -> ModelConfig:

@@ -1,17 +1,22 @@
-"""The hybrid KDA + MLA decoder (Kimi Linear; K3 minus AttnRes / latent MoE / SiTU for now).
+"""The hybrid KDA + MLA decoder (Kimi Linear and Kimi K3).
 
 embed -> per layer: x += attn(input_layernorm(x)); x += ffn(post_attention_layernorm(x))
 -> norm -> lm_head. Layer i is KDA or MLA by the config's 1-indexed lists; FFN i is MoE when
 i >= first_k_dense_replace and i % moe_layer_freq == 0, else the dense MLP. Embedding and LM head
-are split over the vocabulary across TP ranks.
+are split over the vocabulary across TP ranks. K3 replaces the residual adds by AttnRes
+(`attn_res`: each sublayer input is a mixture over block summaries), its MoE is the latent MoE
+(`latent_moe`) and its MLPs use SiTU (`activation`).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from pdserve.model.attn_res import AttnResStream, ResProj
+from pdserve.model.activation import gated_activation
 from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.kda import KDAAttention
+from pdserve.model.latent_moe import LatentMoE
 from pdserve.model.mla import MLAAttention
 from pdserve.model.moe import MLP, MoE
 from pdserve.model.norms import RMSNorm
@@ -23,33 +28,63 @@ class NotSupportedYet(NotImplementedError):
     """The config parses but uses a feature the reference model does not implement yet."""
 
 
+class Residual:
+    """The plain residual stream x (Kimi Linear): x <- x + sublayer(norm(x)). `AttnResStream`
+    is K3's replacement, with the same methods."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def attention_input(self, layer: "DecoderLayer") -> torch.Tensor:
+        return layer.input_layernorm(self.x)
+
+    def mlp_input(self, layer: "DecoderLayer") -> torch.Tensor:
+        return layer.post_attention_layernorm(self.x)
+
+    def add(self, delta: torch.Tensor) -> None:
+        self.x = self.x + delta
+
+    def output(self, inner, rows: list[int] | None) -> torch.Tensor:
+        return self.x if rows is None else self.x[rows]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, i: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
-        self.is_kda = config.is_kda_layer(i)
+        self.index, self.is_kda = i, config.is_kda_layer(i)
+        hidden = config.hidden_size
         self.self_attn = (KDAAttention if self.is_kda else MLAAttention)(config, tp, dtype)
         if config.is_moe_layer(i):
-            self.block_sparse_moe = MoE(config, tp, dtype)
+            moe = LatentMoE if config.routed_expert_hidden_size is not None else MoE
+            self.block_sparse_moe = moe(config, tp, dtype)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, tp, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.mlp = MLP(hidden, config.intermediate_size, tp, dtype,
+                           act=gated_activation(config))
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+        if config.attn_res_block_size is not None:
+            self.self_attention_res_norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+            self.self_attention_res_proj = ResProj(hidden, dtype)
+            self.mlp_res_norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
+            self.mlp_res_proj = ResProj(hidden, dtype)
 
-    def forward(self, x, batch, pools: StatePools, cache_index: int, kda_step=None,
-                mla_step=None) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, res: Residual | AttnResStream, batch, pools: StatePools, cache_index: int,
+                kda_step=None, mla_step=None) -> None:
+        """Advance the residual stream `res` by this layer's attention and FFN."""
+        h = res.attention_input(self)
         if self.is_kda:
-            x = x + self.self_attn(h, batch, pools.slots, cache_index, kda_step)
+            res.add(self.self_attn(h, batch, pools.slots, cache_index, kda_step))
         else:
-            x = x + self.self_attn(h, batch, pools.latent, cache_index, mla_step)
-        h = self.post_attention_layernorm(x)
+            res.add(self.self_attn(h, batch, pools.latent, cache_index, mla_step))
+        h = res.mlp_input(self)
         if hasattr(self, "block_sparse_moe"):
             # GPU decode steps run the static-shape (dense) MoE so an eager step equals its
             # CUDA-graph replay; on the CPU the sparse form does top_k/E of the expert work
             # (tiny decode step, B = 1: 6.4 -> 3.9 ms; benchmarks/results/decode_cpu.json).
-            dense = isinstance(batch, DecodeBatch) and x.is_cuda
-            return x + self.block_sparse_moe(h, dense=dense)
-        return x + self.mlp(h)
+            dense = isinstance(batch, DecodeBatch) and h.is_cuda
+            res.add(self.block_sparse_moe(h, dense=dense))
+        else:
+            res.add(self.mlp(h))
 
 
 class _Embedding(nn.Module):
@@ -73,6 +108,9 @@ class _Inner(nn.Module):  # "model." prefix of the HF parameter names
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp, dtype)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.output_attn_res_proj = ResProj(config.hidden_size, dtype)
 
 
 class _LMHead(nn.Module):
@@ -86,10 +124,6 @@ class HybridModel(nn.Module):
 
     def __init__(self, config, tp: TPGroup | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        missing = config.unsupported_features
-        if missing:
-            raise NotSupportedYet(f"{config.model_type}: not yet supported by the reference "
-                                  f"model: {', '.join(missing)}")
         self.config, self.tp, self.dtype = config, tp or TPGroup(), dtype
         if config.tie_word_embeddings:
             raise NotSupportedYet("tie_word_embeddings=True is not supported yet")
@@ -118,10 +152,11 @@ class HybridModel(nn.Module):
             batch = DecodeBatch.of([s.table for s in batch.seqs], pools.latent.page_tokens,
                                    token_ids.device)
         x = self.model.embed_tokens(token_ids)
+        c = self.config
+        res = (Residual(x) if c.attn_res_block_size is None
+               else AttnResStream(x, c.attn_res_block_size, c.rms_norm_eps))
         for layer, idx in zip(self.model.layers, self.cache_index):
-            x = layer(x, batch, pools, idx, kda_step, mla_step)
-        if logit_rows is not None:
-            x = x[logit_rows]
-        x = self.model.norm(x)
+            layer(res, batch, pools, idx, kda_step, mla_step)
+        x = self.model.norm(res.output(self.model, logit_rows))
         logits = matmul_rows(x.float(), self.lm_head.weight.float().t())
         return self.tp.all_gather_last(logits)
