@@ -3,18 +3,25 @@
 Both produce the FULL tensor of each parameter (by its HF name) and slice it for this TP rank, so
 every TP size and every process computes the same model. Seeded values depend only on
 (seed, parameter name): a parameter's generator is seeded from a hash of both.
+
+A checkpoint may ship a linear's `<name>.weight` as MXFP4 (`<name>.weight_packed` +
+`<name>.weight_scale`, `pdserve.model.mxfp4`), as K3 ships its routed experts; loading
+dequantizes it into the parameter.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pdserve.model import mxfp4
 from pdserve.model.parallel import shard_of
 
 WEIGHTS_FILE = "model.safetensors"
@@ -88,25 +95,70 @@ VLLM_FIELDS = {"kimi_linear": {"architectures": ["KimiLinearForCausalLM"],
                                "max_position_embeddings": 1048576}}
 
 
-def hf_config_dict(config) -> dict:
+# compressed-tensors' description of MXFP4 routed experts (config.json `quantization_config`)
+MXFP4_EXPERTS_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"routed_experts": {
+        "format": "mxfp4-pack-quantized",
+        "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
+        "weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                    "group_size": mxfp4.GROUP, "symmetric": True, "scale_dtype": "torch.uint8",
+                    "dynamic": False},
+        "input_activations": None}},
+}
+_ROUTED_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+
+
+def hf_config_dict(config, quantization: dict | None = None) -> dict:
     """config.json as written: our fields plus the ones vLLM reads (pdserve ignores them)."""
     d = config.to_hf_dict()
     for key, value in VLLM_FIELDS.get(d.get("model_type"), {}).items():
         d.setdefault(key, value)
+    if quantization is not None:
+        d["quantization_config"] = quantization
     return d
 
 
+def mxfp4_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with every routed expert weight replaced by its MXFP4 pair, as the K3
+    checkpoint ships them (`<expert>.w1.weight_packed`, `<expert>.w1.weight_scale`, ...)."""
+    out = {}
+    for name, t in tensors.items():
+        if _ROUTED_EXPERT.search(name):
+            base = name[:-len("weight")]
+            out[base + mxfp4.PACKED], out[base + mxfp4.SCALE] = mxfp4.quantize(t)
+        else:
+            out[name] = t
+    return out
+
+
 def save_checkpoint(directory: str | Path, config, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write `config.json` + `model.safetensors` (HF layout) into `directory`."""
+    """Write `config.json` + `model.safetensors` (HF layout) into `directory`; MXFP4 tensors
+    among them add the `quantization_config` that says so."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
+    quant = (MXFP4_EXPERTS_QUANTIZATION if any(k.endswith(mxfp4.PACKED) for k in tensors)
+             else None)
+    (d / "config.json").write_text(json.dumps(hf_config_dict(config, quant), indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / WEIGHTS_FILE))
     return d
 
 
+def _sources(name: str, where: dict[str, Path]) -> tuple[str, ...] | None:
+    """The checkpoint tensors parameter `name` is loaded from: itself, or its MXFP4 pair."""
+    if name in where:
+        return (name,)
+    if name.endswith(".weight"):
+        pair = (name[:-len("weight")] + mxfp4.PACKED, name[:-len("weight")] + mxfp4.SCALE)
+        if all(k in where for k in pair):
+            return pair
+    return None
+
+
 def load_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load every parameter from the safetensors files in `directory`, slicing for this rank.
+    """Load every parameter from the safetensors files in `directory`, slicing for this rank
+    (MXFP4 weights dequantized to the parameter's dtype).
 
     Missing or misshapen tensors raise with the parameter's name; unexpected ones are reported."""
     d = Path(directory)
@@ -119,35 +171,38 @@ def load_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
             for key in st.keys():
                 where[key] = f
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(where))
+    sources = {name: _sources(name, where) for name in params}
+    missing = sorted(name for name, src in sources.items() if src is None)
     if missing:
         raise KeyError(f"checkpoint {d} lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    unexpected = sorted(set(where) - set(params))
+    unexpected = sorted(set(where) - {k for src in sources.values() for k in src})
     if unexpected:
         raise KeyError(f"checkpoint {d} has {len(unexpected)} tensors the model does not use, "
                        f"e.g. {unexpected[:5]}")
-    by_file: dict[Path, list[str]] = {}
-    for name in params:
-        by_file.setdefault(where[name], []).append(name)
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as st:
-            for name in names:
-                p = params[name]
-                full = st.get_tensor(name)
-                if tuple(full.shape) != p.full_shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model "
-                                     f"shape {p.full_shape}")
-                with torch.no_grad():  # bumps the parameter's version, unlike .data
-                    p.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
+    with ExitStack() as stack:
+        opened = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+        for name, p in params.items():
+            tensors = [opened[where[k]].get_tensor(k) for k in sources[name]]
+            try:
+                full = tensors[0] if len(tensors) == 1 else mxfp4.dequantize(*tensors)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+            if tuple(full.shape) != p.full_shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model "
+                                 f"shape {p.full_shape}")
+            with torch.no_grad():  # bumps the parameter's version, unlike .data
+                p.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
 
 
 def export_checkpoint(directory: str | Path, config, seed: int = 0,
-                      dtype: torch.dtype = torch.bfloat16) -> Path:
+                      dtype: torch.dtype = torch.bfloat16, mxfp4_routed: bool = False) -> Path:
     """Seeded weights of `config` as an HF directory in `dtype`, without building the model's
     tensors (a meta-device model gives names, shapes and init kinds). bf16 by default: vLLM casts
-    to bf16 on load, so both engines then see the same values."""
+    to bf16 on load, so both engines then see the same values. `mxfp4_routed` ships the routed
+    experts as MXFP4 (quantized from the seeded values), as K3's checkpoint does."""
     from pdserve.model.model import HybridModel
 
     with torch.device("meta"):
         model = HybridModel(config, None, dtype)
-    return save_checkpoint(directory, config, full_state(model, seed))
+    tensors = full_state(model, seed)
+    return save_checkpoint(directory, config, mxfp4_experts(tensors) if mxfp4_routed else tensors)
