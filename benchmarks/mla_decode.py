@@ -126,6 +126,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ap.add_argument("--name", default=None, help="result file name (default mla_decode_<device>)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--commit", default=None, help="the tree's commit where it has no .git")
     ap.add_argument("--no-sweep", action="store_true",
                     help="skip the split-count x head-group sweep")
     ap.add_argument("--sweep-only", action="store_true", help="run only that sweep, no grid")
@@ -180,7 +181,7 @@ def main(argv=None):
         timing="median of CUDA-graph replays; K >= MIN_CALLS calls per graph rotating over up "
                "to 64 disjoint page sets (>= 256 MB working set)", min_calls=MIN_CALLS,
         targets=dict(frac_of_copy_bw_where_BxL_ge_256K=0.75, us_at_B1_L8K=10.0),
-        results=rows, sweep=sweep), args.out)
+        results=rows, sweep=sweep), args.out, commit=args.commit)
     # short table last
     print("\nMLA decode (CuTe DSL, the launch plan's defaults"
           + (f" with {choices}" if choices else "") + "): us per call / % of copy-bandwidth floor")
