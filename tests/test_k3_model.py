@@ -4,12 +4,13 @@ one forward over N + k tokens; the pools and the transfer planner carry its stat
 import pytest
 import torch
 
-from pdserve.model.config import preset
+from pdserve.decode.capacity import weight_bytes
+from pdserve.model.config import preset, reduced_kimi_k3
 from pdserve.model.generate import ReferenceEngine, build_model
 from pdserve.model.model import HybridModel
+from pdserve.model.parallel import TPGroup
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.state.layout import StateLayout
-from pdserve.model.config import reduced_kimi_k3
 from test_model_equivalence import full_logits, split_logits
 
 
@@ -69,11 +70,38 @@ def test_k3_attn_res_changes_the_logits(k3):
     assert not torch.allclose(before, after, atol=1e-4)
 
 
-def test_full_k3_builds_on_the_meta_device():
+@pytest.fixture(scope="module")
+def full_k3():
+    """kimi-k3 as one TP8 rank holds it, on the meta device (shapes, no memory)."""
     with torch.device("meta"):
-        model = HybridModel(preset("kimi-k3"))
-    moe = model.model.layers[1].block_sparse_moe
-    assert len(moe.experts) == 896 and moe.experts[0].w1.weight.shape == (3072, 3584)
-    assert moe.routed_expert_down_proj.weight.shape == (3584, 7168)
-    assert moe.shared_experts.gate_proj.weight.shape == (6144, 7168)
-    assert model.model.layers[0].mlp.gate_proj.weight.shape == (33792, 7168)
+        return HybridModel(preset("kimi-k3"), TPGroup(rank=7, size=8), torch.bfloat16)
+
+
+def test_full_k3_builds_at_tp8_rank_shapes(full_k3):
+    moe = full_k3.model.layers[1].block_sparse_moe
+    assert len(moe.experts) == 896 and moe.experts[0].w1.weight.shape == (3072 // 8, 3584)
+    assert moe.experts[0].w2.weight.shape == (3584, 3072 // 8)
+    assert moe.routed_expert_down_proj.weight.shape == (3584, 7168)       # replicated
+    assert moe.routed_expert_up_proj.weight.shape == (7168, 3584)
+    assert moe.shared_experts.gate_proj.weight.shape == (6144 // 8, 7168)
+    assert full_k3.model.layers[0].mlp.gate_proj.weight.shape == (33792 // 8, 7168)
+    assert full_k3.model.layers[0].self_attn.heads == 12                    # KDA
+    assert full_k3.model.layers[3].self_attn.heads == 12                    # MLA
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reduced_k3_module_tree_matches_the_capacity_count(tp):
+    """The built K3 holds the bytes per rank that `capacity` counts from the config alone
+    (AttnRes vectors, latent projections and norm, expert shapes)."""
+    config = reduced_kimi_k3()
+    with torch.device("meta"):
+        model = HybridModel(config, TPGroup(rank=tp - 1, size=tp), torch.bfloat16)
+    assert sum(weight_bytes(config, tp).values()) == _bytes(model)
+
+
+def test_full_k3_module_tree_matches_the_capacity_count(full_k3):
+    assert sum(weight_bytes(preset("kimi-k3"), 8).values()) == _bytes(full_k3)
+
+
+def _bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
