@@ -10,7 +10,8 @@ from pdserve.model.config import reduced_kimi_k3
 from pdserve.model.sampling import Request
 from pdserve.transfer.dest import TransferConfig
 
-from test_disaggregated import LAYOUT, PARAMS, PROMPTS, Pair, _collect, decode_to_end, monolithic, served
+from test_disaggregated import (LAYOUT, PARAMS, PROMPTS, Pair, _collect, decode_to_end,
+                                monolithic, served)
 
 CONFIG = reduced_kimi_k3(num_layers=5)
 K3_PROMPTS = [[t % CONFIG.vocab_size for t in p] for p in PROMPTS]

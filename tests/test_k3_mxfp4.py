@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from pdserve.model import mxfp4
 from pdserve.model.config import reduced_kimi_k3

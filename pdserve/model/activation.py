@@ -24,8 +24,9 @@ def situ_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: flo
              ) -> torch.Tensor:
     """SiTU in fp32, returned in the input dtype."""
     g, u = gate.float(), up.float()
-    out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-    return out.to(gate.dtype)
+    capped_gate = beta * torch.tanh(g / beta)
+    capped_up = linear_beta * torch.tanh(u / linear_beta)
+    return (capped_gate * torch.sigmoid(g) * capped_up).to(gate.dtype)
 
 
 def gated_activation(config) -> GatedAct:
