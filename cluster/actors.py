@@ -344,6 +344,9 @@ class RemoteServer:
     def stats(self) -> dict:
         return self._call("stats")
 
+    def sources(self, digests) -> None:
+        self._call("sources", digests)
+
     def shutdown(self) -> None:
         self._call("shutdown")
 
@@ -360,6 +363,7 @@ class Instance:
     agents: list = field(default_factory=list)
     alive: bool = True
     engine: bool = False
+    pids: list[int] = field(default_factory=list)  # the rank (or engine) actors' processes
 
     def digests(self, src_rank: int, request_id: str, runs) -> list[int]:
         """xxh3 digests of `runs` computed by source rank `src_rank` (transfer.verify)."""
@@ -434,14 +438,14 @@ def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,
     try:
         master = ray.get(actors[0].address.remote(), timeout=timeout_s)
         threads = threads or max(1, int(cpus + 0.999))
-        ray.get([a.setup.remote(master, {**kwargs, "generation": generation}, threads)
-                 for a in actors], timeout=timeout_s)
+        ready = ray.get([a.setup.remote(master, {**kwargs, "generation": generation}, threads)
+                         for a in actors], timeout=timeout_s)
         # NIXL agents of the ranks; a monolithic rank transfers nothing and has none
         agents = [] if role == "monolithic" else ranks.call("info")
     except Exception:
         Instance(role, name, generation, ranks, pg).kill()
         raise
-    return Instance(role, name, generation, ranks, pg, agents)
+    return Instance(role, name, generation, ranks, pg, agents, pids=[r["pid"] for r in ready])
 
 
 def _placed_actors(name: str, generation: int, cpus: float, gpus: float, count: int,
@@ -491,7 +495,7 @@ def start_engine_instance(name: str, generation: int, factory: str | Callable, a
     inst = Instance("prefill", name, generation, ranks, pg, engine=True)
     try:
         try:  # the constructor (the engine's start-up) runs before any method call returns
-            ray.get(actor.ping.remote(), timeout=start_timeout_s)
+            inst.pids = [ray.get(actor.ping.remote(), timeout=start_timeout_s)["pid"]]
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"instance {name}: the engine did not start within "
                                f"{start_timeout_s} s") from None

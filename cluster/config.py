@@ -119,6 +119,7 @@ class ResourcesSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     torch_threads: int = 0           # per rank; 0 = the rank's CPU share rounded up
     prefill_idle_threads: int = 0    # prefill threads while no decode has work (0 = off)
     call_timeout_s: float = 120.0    # any single call to a rank actor
+    rebuild: bool = True             # replace an instance whose rank died by a new one
 
 
 class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -29,7 +29,7 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import aclosing
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 import msgspec
 
@@ -51,6 +51,9 @@ POLL_S = 0.2
 # With nothing in flight only liveness and lease expiry are left to watch: poll less, so an idle
 # server costs its host's cores little (ten rank calls a second showed up as CPU load).
 IDLE_POLL_S = 1.0
+# A failed rebuild of a dead instance is tried again after this, doubling up to the maximum.
+REBUILD_BACKOFF_S = 5.0
+REBUILD_BACKOFF_MAX_S = 120.0
 # How long one read of a decode instance's event stream waits for an event (it answers as soon
 # as there is one); it bounds how late a stream notices that its instance went silent.
 EVENTS_WAIT_S = 1.0
@@ -279,21 +282,39 @@ class DecodeSlot:
             self._sinks.pop(ev.request_id, None)
 
 
+class Rebuild(Protocol):
+    """Starts the next generation of an instance whose rank died, wired into the deployment
+    (`cluster.serve.Builder`)."""
+
+    def rebuild_prefill(self, old: Instance, prefill: list[Instance],
+                        decode: list[DecodeSlot]) -> Instance: ...
+
+    def rebuild_decode(self, old: Instance, prefill: list[Instance]) -> DecodeSlot: ...
+
+
 class Router:
     """`prefill` empty: `decode` holds monolithic instances (their ranks prefill locally),
-    which take the `Request` itself and prefill it."""
+    which take the `Request` itself and prefill it. With `rebuild`, an instance found dead is
+    torn down and replaced by its next generation while the others serve (`_heal_loop`)."""
 
     def __init__(self, model_name: str, max_context: int, prefill: list[Instance],
-                 decode: list[DecodeSlot], max_queue: int = 256, prefill_idle_threads: int = 0):
+                 decode: list[DecodeSlot], max_queue: int = 256, prefill_idle_threads: int = 0,
+                 rebuild: Rebuild | None = None):
         self.model_name, self.max_context = model_name, max_context
         self.monolithic = not prefill
         self.kind = "monolithic" if self.monolithic else "decode"  # for messages
-        self.prefill = [PrefillQueue(p, idle_threads=prefill_idle_threads,
-                                     decode_idle=self._decode_idle) for p in prefill]
+        self.idle_threads = prefill_idle_threads
+        self.prefill = [self._queue(p) for p in prefill]
         self.decode = decode
+        self.configured = {"prefill": len(prefill), self.kind: len(decode)}
         self.max_queue = max_queue
         self.in_flight = 0
         self.resumed = self.retries = 0
+        self.restarts = {"prefill": 0, self.kind: 0}  # instances rebuilt, by kind
+        self.rebuild = rebuild
+        self._heal = threading.Event()  # an instance was found dead: rebuild it now
+        self._retry_at: dict[str, tuple[float, int]] = {}  # name -> (next try, failures)
+        self._swap = threading.Lock()  # a rebuilt instance goes in, or `closing` comes first
         self._closed = self._draining = False
         self._idle = threading.Event()  # nothing in flight
         self._idle.set()
@@ -301,6 +322,20 @@ class Router:
         self._wake = threading.Event()  # a request arrived: leave the idle poll interval now
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="router-poll")
         self._poller.start()
+        if rebuild is not None:
+            threading.Thread(target=self._heal_loop, daemon=True, name="router-heal").start()
+
+    @property
+    def instances(self) -> list[Instance]:
+        """Every instance of the deployment now (rebuilt ones in place of the dead)."""
+        return [p.inst for p in self.prefill] + [d.inst for d in self.decode]
+
+    def closing(self) -> None:
+        """Rebuild nothing from now on (the deployment is being torn down): after this,
+        `instances` is every instance there will be."""
+        with self._swap:
+            self._closed = True
+        self._heal.set()
 
     # -- GenerationBackend ------------------------------------------------------------------
     async def generate(self, request: Request, deadline_s: float | None) -> AsyncIterator[TokenEvent]:
@@ -437,6 +472,8 @@ class Router:
         out = {"in_flight": self.in_flight, "resumed": self.resumed, "retries": self.retries,
                "prefill_alive": sum(p.inst.alive for p in self.prefill),
                "decode_alive": sum(d.inst.alive for d in self.decode),
+               "prefill_configured": len(self.prefill), "decode_configured": len(self.decode),
+               **{f"restarts_{kind}": n for kind, n in self.restarts.items()},
                "prefill_queued_tokens": sum(p.pending_tokens for p in self.prefill),
                "decode_queued": sum(d.stats.get("queued", 0) for d in self.decode),
                "decode_running": sum(d.stats.get("batched", 0) for d in self.decode)}
@@ -445,6 +482,13 @@ class Router:
                 if k.startswith("transfer"):
                     out[k] = out.get(k, 0) + v
         return out
+
+    def capacity(self) -> dict[str, dict[str, int]]:
+        """Live and configured instances per kind, and how many were rebuilt."""
+        live = {"prefill": self.prefill, self.kind: self.decode}
+        return {kind: {"live": sum(x.inst.alive for x in items),
+                       "configured": self.configured[kind], "restarts": self.restarts[kind]}
+                for kind, items in live.items() if self.configured[kind]}
 
     def health(self) -> str | None:
         if self._closed or self._draining:
@@ -524,15 +568,62 @@ class Router:
             # an error of no known type (a vLLM export failure, TP ranks out of step): ours
             raise RuntimeError(f"prefill instance {q.inst.name}: {res.error}") from err
 
+    def _queue(self, inst: Instance) -> PrefillQueue:
+        return PrefillQueue(inst, idle_threads=self.idle_threads, decode_idle=self._decode_idle)
+
+    def _heal_loop(self) -> None:
+        """Rebuild every instance found dead (by a call that failed, or the poller), one at a
+        time; a rebuild that fails is tried again later, waiting longer each time."""
+        while not self._closed:
+            for kind, items in (("prefill", self.prefill), (self.kind, self.decode)):
+                for i, item in enumerate(items):
+                    if not item.inst.alive and not self._closed:
+                        self._rebuild(kind, items, i)
+            self._heal.wait(IDLE_POLL_S)
+            self._heal.clear()
+
+    def _rebuild(self, kind: str, items: list, i: int) -> None:
+        old = items[i].inst
+        retry_at, failures = self._retry_at.get(old.name, (0.0, 0))
+        if time.monotonic() < retry_at:
+            return
+        log.warning("%s instance %s (generation %d) is dead: rebuilding it", kind, old.name,
+                    old.generation)
+        old.kill()  # whatever is left of it: live ranks, its placement group
+        prefill = [p.inst for p in self.prefill]
+        try:
+            if kind == "prefill":
+                new = self.rebuild.rebuild_prefill(old, prefill, list(self.decode))
+            else:
+                new = self.rebuild.rebuild_decode(old, prefill)
+        except Exception:
+            wait = min(REBUILD_BACKOFF_S * 2 ** failures, REBUILD_BACKOFF_MAX_S)
+            log.exception("rebuilding %s failed; trying again in %.0f s", old.name, wait)
+            self._retry_at[old.name] = (time.monotonic() + wait, failures + 1)
+            return
+        self._retry_at.pop(old.name, None)
+        with self._swap:
+            closed = self._closed
+            if not closed:
+                old_item, items[i] = items[i], self._queue(new) if kind == "prefill" else new
+        if closed:  # torn down meanwhile: what was built goes too
+            (new if kind == "prefill" else new.inst).kill()
+            return
+        old_item.close()
+        self.restarts[kind] += 1
+        log.warning("%s instance %s is back (generation %d)", kind, old.name,
+                    old.generation + 1)
+
     def _mark_lost(self, err: BaseException | None) -> Instance | None:
         """The instance an `InstanceLost` names, now marked dead (the poller may have seen it
         first); None for any other error (a `PeerLost` from a transfer is a transfer failure:
         the retry decides)."""
         if not isinstance(err, InstanceLost):
             return None
-        for inst in [p.inst for p in self.prefill] + [d.inst for d in self.decode]:
+        for inst in self.instances:
             if inst.name == err.instance:
                 inst.alive = False
+                self._heal.set()
                 return inst
         return None
 
@@ -571,6 +662,7 @@ class Router:
                         p.inst.ranks.call("poll")
                     except InstanceLost:
                         p.inst.alive = False
+                        self._heal.set()
                     except Exception:
                         log.exception("poll of %s failed", p.inst.name)
             for d in self.decode:
@@ -579,6 +671,7 @@ class Router:
                         d.stats = d.server.stats()
                     except InstanceLost:
                         d.inst.alive = False
+                        self._heal.set()
                     except Exception:
                         log.exception("stats of %s failed", d.inst.name)
             self._wake.wait(POLL_S if self.in_flight else IDLE_POLL_S)

@@ -162,7 +162,7 @@ def start(cfg: ServeConfig, model, address: str | None = None, progress=print) -
             progress(f"starting {role}-{i} (TP {cfg.decode.tp}, backend {cfg.decode.backend}"
                      f"{', prefill + decode' if cfg.monolithic else ''}) ...")
             decode.append(build.decode(f"{role}-{i}"))
-        return assemble(cfg, model, prefill, decode, build)
+        return assemble(cfg, model, prefill, decode, build if cfg.resources.rebuild else None)
     except Exception:
         for inst in prefill + decode:
             inst.kill()

@@ -33,7 +33,10 @@ def config(prefill_instances=1, prefill_tp=1, decode_instances=1, decode_tp=1, *
                                        num_slots=33, max_batch=32),
         transfer=msgspec.structs.replace(cfg.transfer, **transfer),
         api=msgspec.structs.replace(cfg.api, port=free_port(), request_timeout_s=60),
-        resources=msgspec.structs.replace(cfg.resources, cpus_per_rank=0.25, call_timeout_s=60))
+        # a killed instance stays dead here: these tests watch failover and "none left"
+        # (tests/test_self_healing.py watches the rebuild)
+        resources=msgspec.structs.replace(cfg.resources, cpus_per_rank=0.25, call_timeout_s=60,
+                                          rebuild=False))
     return cfg, validate(cfg)
 
 

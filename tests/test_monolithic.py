@@ -29,7 +29,9 @@ def config(instances=1, tp=1):
         decode=msgspec.structs.replace(cfg.decode, instances=instances, tp=tp, num_slots=33,
                                        max_batch=32),
         api=msgspec.structs.replace(cfg.api, port=free_port(), request_timeout_s=60),
-        resources=msgspec.structs.replace(cfg.resources, cpus_per_rank=0.25, call_timeout_s=60))
+        # a killed instance stays dead here (tests/test_self_healing.py watches the rebuild)
+        resources=msgspec.structs.replace(cfg.resources, cpus_per_rank=0.25, call_timeout_s=60,
+                                          rebuild=False))
     return cfg, validate(cfg)
 
 

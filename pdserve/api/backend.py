@@ -53,6 +53,11 @@ class GenerationBackend(Protocol):
         """None while it can serve; otherwise why not (GET /health answers 503 with it)."""
         ...
 
+    def capacity(self) -> dict[str, dict[str, int]]:
+        """Per kind of instance: {"live": n, "configured": n, "restarts": n}; GET /health says
+        "degraded" while one runs below its count. Empty for a backend of no instances."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -121,6 +126,9 @@ class LocalBackend:
 
     def health(self) -> str | None:
         return "the backend is shut down" if self._closed else None
+
+    def capacity(self) -> dict[str, dict[str, int]]:
+        return {}
 
     async def close(self) -> None:
         self._closed = True

@@ -74,12 +74,15 @@ class RequestTrack:
 
 
 _TRANSFER = re.compile(r"transfer_(bytes|seconds)_(\w+)")
+_RESTARTS = re.compile(r"restarts_(\w+)")
 
 
 class _BackendStats:
     """Exports `backend.stats()` at every scrape: `transfer_bytes_<kind>` and
-    `transfer_seconds_<kind>` as counters labelled by kind, `transfer_failures` as a counter
-    (they are running totals), every other key as a gauge `pdserve_backend_<key>`."""
+    `transfer_seconds_<kind>` as counters labelled by kind, `transfer_failures` as a counter,
+    `restarts_<kind>` (instances rebuilt after a rank died) as the counter
+    `pdserve_instance_restarts` labelled by kind (they are running totals), every other key as
+    a gauge `pdserve_backend_<key>`."""
 
     def __init__(self, backend) -> None:
         self._backend = backend
@@ -89,15 +92,20 @@ class _BackendStats:
         transfer = {k: CounterMetricFamily(f"pdserve_transfer_{k}",
                                            f"State transfer {k} by state kind", labels=["kind"])
                     for k in ("bytes", "seconds")}
+        restarts = CounterMetricFamily("pdserve_instance_restarts",
+                                       "Instances rebuilt after a rank died, by kind",
+                                       labels=["kind"])
         for key, value in sorted(stats.items()):
             if m := _TRANSFER.fullmatch(key):
                 transfer[m[1]].add_metric([m[2]], value)
+            elif m := _RESTARTS.fullmatch(key):
+                restarts.add_metric([m[1]], value)
             elif key == "transfer_failures":
                 yield CounterMetricFamily("pdserve_transfer_failures", "Failed state transfers",
                                           value=value)
             else:
                 name = "pdserve_backend_" + re.sub(r"\W", "_", key)
                 yield GaugeMetricFamily(name, f"backend stats()[{key!r}]", value=value)
-        for family in transfer.values():
+        for family in (*transfer.values(), restarts):
             if family.samples:
                 yield family

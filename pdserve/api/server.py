@@ -702,9 +702,14 @@ class _Api:
                 "model": self.backend.model_name, "choices": choices}
 
     def health(self) -> Response:
+        """200 "ok"; 200 "degraded" while some kind of instance runs below its configured
+        count (it serves, with less capacity); 503 "unhealthy" when it cannot serve."""
         reason = self.backend.health()
-        body = {"status": "ok" if reason is None else "unhealthy",
-                "model": self.backend.model_name, "stats": self.backend.stats()}
+        capacity = self.backend.capacity()
+        degraded = any(c["live"] < c["configured"] for c in capacity.values())
+        body = {"status": "unhealthy" if reason else "degraded" if degraded else "ok",
+                "model": self.backend.model_name, "capacity": capacity,
+                "stats": self.backend.stats()}
         if reason is None:
             return _json(body)
         return _json(body | {"reason": reason}, 503, {"Retry-After": "5"})

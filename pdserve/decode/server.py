@@ -46,6 +46,11 @@ class DecodeServer:
         return {**self.rank_stats(), "queued": self.batcher.queued,
                 "batched": self.batcher.running, "steps": self.batcher.steps}
 
+    def sources(self, digests) -> None:
+        """Where the digests of what is read come from from now on (`transfer.verify`; a
+        prefill instance was rebuilt)."""
+        self.engine.digests = digests
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.batcher.shutdown(timeout)
 
