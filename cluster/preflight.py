@@ -5,6 +5,7 @@ naming the field to change (`pdserve serve` exits 2 with it), not a traceback mi
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 
@@ -24,7 +25,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         hint = (" (another process listens there; pick another with --port or api.port)"
-                if exc.errno == 98 else "")
+                if exc.errno == errno.EADDRINUSE else "")
         raise ConfigError("api.port", f"cannot listen on {host}:{port}: {exc.strerror}"
                           f"{hint}") from None
     return sock
