@@ -102,6 +102,9 @@ class PrefillQueue:
 
     def submit(self, request: Request) -> Future:
         fut: Future = Future()
+        # running from the start: a caller that stops waiting (cancelled, past its deadline)
+        # cannot cancel it, so its result still arrives and its state can be freed
+        fut.set_running_or_notify_cancel()
         self.pending_tokens += len(request.prompt)
         self._q.put((request, fut))
         return fut
@@ -316,6 +319,7 @@ class Router:
         self._retry_at: dict[str, tuple[float, int]] = {}  # name -> (next try, failures)
         self._swap = threading.Lock()  # a rebuilt instance goes in, or `closing` comes first
         self._closed = self._draining = False
+        self.drain_ended = 0  # requests `drain` ended
         self._idle = threading.Event()  # nothing in flight
         self._idle.set()
         self._ends: set = set()  # (loop, future) per request in flight, for `drain`
@@ -361,6 +365,7 @@ class Router:
                     if ev.finish_reason is not None:
                         return
         except _Ended:
+            self.drain_ended += 1
             msg = "the server shut down before this request finished (api.drain_s ran out)"
             yield TokenEvent(request.request_id, None, tokens, "error", msg,
                              BackendUnavailable(msg))
@@ -394,9 +399,13 @@ class Router:
             # copy of it.
             if handle is not None and handle.finished is None:
                 emitted.append(handle.first_token)
-                yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None,
-                                 logprob=handle.first_logprob,
-                                 prompt_logprobs=handle.prompt_logprobs)
+                try:
+                    yield TokenEvent(rid, handle.first_token, len(emitted) - 1, None,
+                                     logprob=handle.first_logprob,
+                                     prompt_logprobs=handle.prompt_logprobs)
+                except BaseException:  # left (cancelled, drained) before decode took the state
+                    self._cancel_source(handle)
+                    raise
                 skip = 1
             decoded = 0
             left = None if end is None else max(end - time.monotonic(), 0.01)
@@ -514,7 +523,7 @@ class Router:
             except RuntimeError:  # its event loop is closed: nothing of it runs
                 pass
         self._idle.wait(end_wait_s)
-        return max(waiting - len(ends), 0), len(ends)
+        return max(waiting - self.drain_ended, 0), self.drain_ended
 
     async def close(self) -> None:
         self._closed = True
@@ -548,7 +557,12 @@ class Router:
             except InstanceLost as exc:
                 log.warning("prefill instance %s lost (%s); retrying elsewhere", q.inst.name, exc)
                 continue
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+                # nobody will read the state it prefills: free it when it is there, not at
+                # the end of its lease
+                fut.add_done_callback(self._free_unread)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
                 raise BackendUnavailable("prefill did not finish within the request deadline") from None
             if res.error is None:
                 return res.handle
@@ -644,6 +658,11 @@ class Router:
             request.params, max_tokens=left,
             position_offset=request.params.position_offset + len(emitted))
         return Request(f"{request.request_id}-{len(emitted)}", request.prompt + emitted, params)
+
+    def _free_unread(self, fut: Future) -> None:
+        """A prefill its request left: cancel its state at the source (the queue's thread)."""
+        if fut.exception() is None and fut.result().handle is not None:
+            self._cancel_source(fut.result().handle)
 
     def _cancel_source(self, handle) -> None:
         for p in self.prefill:
