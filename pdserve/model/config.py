@@ -138,6 +138,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(name, f"must be positive, got {value}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ConfigError("q_lora_rank", f"must be positive or null, got {self.q_lora_rank}")
         if self.qk_rope_head_dim < 0:
             raise ConfigError("qk_rope_head_dim", f"must be >= 0, got {self.qk_rope_head_dim}")
         if la.short_conv_kernel_size < 2:
