@@ -15,7 +15,7 @@ from torch import nn
 
 from pdserve.model.batch import DecodeBatch, ForwardBatch
 from pdserve.model.norms import RMSNorm
-from pdserve.model.parallel import Linear, TPGroup
+from pdserve.model.parallel import MIN_ROWS, Linear, TPGroup
 from pdserve.state.pools import LatentPool
 
 NAIVE_ROWS = 64  # the prefill attention's row granularity (`MLAAttention._naive`)
@@ -107,6 +107,8 @@ class MLAAttention(nn.Module):
         # its prompt is prefilled whole or in chunks (docs/design.md §6)
         rows = F.pad(rows, (0, 0, 0, -rows.shape[0] % NAIVE_ROWS))
         T, L = q.shape[0], rows.shape[0]
+        if T < MIN_ROWS:  # and queries on at least MIN_ROWS rows, as `_absorb`'s
+            return self._naive(F.pad(q, (0, 0, 0, 0, 0, MIN_ROWS - T)), rows, context)[:T]
         kv = (rows[:, :self.rank] @ self.kv_b_proj.weight.float().t()).view(
             L, self.heads, self.nope + self.v_dim)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
@@ -118,9 +120,16 @@ class MLAAttention(nn.Module):
         return torch.einsum("thl,lhd->thd", torch.softmax(scores, dim=-1), v)
 
     def _absorb(self, q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-        """q [..., H, nope+rope] -> [..., H, R+P]: q_nope pulled into the latent space (W_UK)."""
-        return torch.cat([torch.einsum("...hn,hnr->...hr", q[..., :self.nope], w_uk),
-                          q[..., self.nope:]], dim=-1)
+        """q [..., H, nope+rope] -> [..., H, R+P]: q_nope pulled into the latent space (W_UK).
+        On the CPU the product runs on at least MIN_ROWS rows per head, so a row's result does
+        not depend on how many rows share the step (`parallel.MIN_ROWS`)."""
+        nope = q[..., :self.nope]
+        flat = nope.reshape(-1, self.heads, self.nope)
+        n = flat.shape[0]
+        if flat.device.type == "cpu" and n < MIN_ROWS:
+            flat = F.pad(flat, (0, 0, 0, 0, 0, MIN_ROWS - n))
+        absorbed = torch.einsum("thn,hnr->thr", flat, w_uk)[:n].view(*nope.shape[:-1], -1)
+        return torch.cat([absorbed, q[..., self.nope:]], dim=-1)
 
     def _fused_decode(self, q: torch.Tensor, pool: LatentPool, layer: int, batch: DecodeBatch,
                       mla_step) -> torch.Tensor | None:
