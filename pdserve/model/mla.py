@@ -107,8 +107,6 @@ class MLAAttention(nn.Module):
         # its prompt is prefilled whole or in chunks (docs/design.md §6)
         rows = F.pad(rows, (0, 0, 0, -rows.shape[0] % NAIVE_ROWS))
         T, L = q.shape[0], rows.shape[0]
-        if T < MIN_ROWS:  # and queries on at least MIN_ROWS rows, as `_absorb`'s
-            return self._naive(F.pad(q, (0, 0, 0, 0, 0, MIN_ROWS - T)), rows, context)[:T]
         kv = (rows[:, :self.rank] @ self.kv_b_proj.weight.float().t()).view(
             L, self.heads, self.nope + self.v_dim)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
