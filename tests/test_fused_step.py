@@ -10,6 +10,7 @@ from pdserve.kernels.rmsnorm import add_rmsnorm_reference
 from pdserve.model.batch import DecodeBatch
 from pdserve.model.config import preset, reduced_kimi_linear
 from pdserve.model.generate import ReferenceEngine, build_model
+from pdserve.model.model import NotSupportedYet
 from pdserve.model.moe import route
 from pdserve.model.norms import rms_norm
 from pdserve.model.sampling import Request, SamplingParams
@@ -119,3 +120,17 @@ def test_fused_step_equals_the_model(config):
         assert torch.allclose(g, w, rtol=0, atol=3e-2 * w.abs().max()), (g - w).abs().max()
         assert torch.equal(g.argmax(-1), w.argmax(-1))
     assert torch.equal(again[0], want[0])
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0),
+     "hidden_act"),
+    (dict(attn_res_block_size=2), "attn_res_block_size")])
+def test_k3_features_are_refused_by_name(overrides, field):
+    """A Kimi-Linear-shaped model with one of K3's features the fused layer lacks is refused,
+    naming the field, rather than run without it."""
+    config = preset("tiny", kv_lora_rank=512, qk_rope_head_dim=64, **overrides)
+    model = build_model(config, dtype=torch.bfloat16, seed=0)
+    eng = ReferenceEngine(model, StateLayout(latent_dtype="bfloat16"), num_pages=4, num_slots=2)
+    with pytest.raises(NotSupportedYet, match=field):
+        FusedDecodeStep(model, eng.pools, "reference")

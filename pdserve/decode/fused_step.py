@@ -216,6 +216,12 @@ class FusedDecodeStep:
             raise NotSupportedYet(f"fused decode step at TP={model.tp.size} (TP = 1 only)")
         if model.dtype != torch.bfloat16:
             raise NotSupportedYet(f"fused decode step needs a bf16 model, got {model.dtype}")
+        c = model.config
+        for field, on in (("attn_res_block_size", c.attn_res_block_size is not None),
+                          ("hidden_act", c.hidden_act != "silu"),
+                          ("routed_expert_hidden_size", c.routed_expert_hidden_size is not None)):
+            if on:   # K3's AttnRes, SiTU and latent MoE are not in the fused layer
+                raise NotSupportedYet(f"fused decode step: {field}={getattr(c, field)!r} (K3)")
         self.model, self.pools, self.ops = model, pools, _Ops(backend)
         self.layers = []
         for layer, idx in zip(model.model.layers, model.cache_index):
