@@ -24,6 +24,7 @@ from typing import Literal, get_args, get_type_hints
 import msgspec
 
 from pdserve.model.config import PRESETS, ConfigError, ModelConfig, load_model_config
+from pdserve.prefill.prefix_cache import PrefixCacheConfig
 from pdserve.prefill.scheduler import check_budget
 from pdserve.state.block_table import Topology
 from pdserve.state.layout import DTYPE_FIELDS, RankShapes, StateLayout, dtype_of
@@ -71,6 +72,8 @@ class PrefillSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # reference engine: prompt tokens per prefill step (chunked prefill), a multiple of 16;
     # 0 = each prompt whole in one step (a long prompt then holds up every prompt behind it)
     chunk_tokens: int = 64
+    # reference engine: the prefix cache of each rank (docs/design.md §6)
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     vllm: VllmSection = VllmSection()
 
 
@@ -205,6 +208,15 @@ def validate(cfg: ServeConfig) -> ModelConfig:
             check_budget(cfg.prefill.chunk_tokens)
         except ValueError as exc:
             raise ConfigError("prefill.chunk_tokens", f"{exc} (0 = no chunking)") from None
+    pc = cfg.prefill.prefix_cache
+    if pc.max_bytes < 0:
+        raise ConfigError("prefill.prefix_cache.max_bytes",
+                          f"must be >= 0 (0 = max_share of the pools), got {pc.max_bytes}")
+    if not 0 < pc.max_share <= 1:
+        raise ConfigError("prefill.prefix_cache.max_share", f"must be in (0, 1], got {pc.max_share}")
+    if pc.checkpoint_interval < 1:
+        raise ConfigError("prefill.prefix_cache.checkpoint_interval",
+                          f"must be >= 1 block, got {pc.checkpoint_interval}")
     if not 0 < cfg.api.port < 65536:
         raise ConfigError("api.port", f"must be in 1..65535, got {cfg.api.port}")
     for field in DTYPE_FIELDS:

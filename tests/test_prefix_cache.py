@@ -7,9 +7,11 @@ import msgspec
 import pytest
 import torch
 
+from pdserve.cluster.config import ConfigError, ServeConfig, load_serve_config, validate
 from pdserve.model.config import preset
 from pdserve.model.sampling import Request, SamplingParams
-from pdserve.prefill.engine import PrefillRank, PrefixCacheConfig
+from pdserve.prefill.engine import PrefillRank
+from pdserve.prefill.prefix_cache import PrefixCacheConfig
 from pdserve.prefill.scheduler import ChunkScheduler
 
 DECODED = 3  # tokens after the first, decoded from each rank's own state
@@ -172,3 +174,21 @@ def test_pool_pressure_evicts_unpinned_entries_only():
         assert r.cache._entries[k].page == pg and r.cache._entries[k].slot == slot
     assert r.cache.acquire(tokens(200, 11)).tokens == 192  # the held entries still hit
     r.close()
+
+
+def test_the_prefix_cache_table_is_validated_and_named(tmp_path):
+    cfg = ServeConfig()
+    assert cfg.prefill.prefix_cache.enabled  # on by default
+    for field, bad in (("max_bytes", -1), ("max_share", 0.0), ("max_share", 1.5),
+                       ("checkpoint_interval", 0)):
+        pc = msgspec.structs.replace(cfg.prefill.prefix_cache, **{field: bad})
+        with pytest.raises(ConfigError, match=rf"prefill\.prefix_cache\.{field}"):
+            validate(msgspec.structs.replace(
+                cfg, prefill=msgspec.structs.replace(cfg.prefill, prefix_cache=pc)))
+    path = tmp_path / "serve.toml"
+    path.write_text("[prefill.prefix_cache]\nmax_bytes = 1048576\ncheckpoint_interval = 4\n")
+    got, _ = load_serve_config(path)
+    assert got.prefill.prefix_cache == PrefixCacheConfig(max_bytes=2**20, checkpoint_interval=4)
+    path.write_text("[prefill.prefix_cache]\nbytes = 1\n")
+    with pytest.raises(ConfigError, match=r"prefill\.prefix_cache"):
+        load_serve_config(path)

@@ -34,19 +34,8 @@ from pdserve.transfer.regions import RegionTable
 from pdserve.transfer.source import SourceRank
 
 from pdserve.prefill.handle import StateHandle
-from pdserve.prefill.prefix_cache import Hit, PrefixCache
+from pdserve.prefill.prefix_cache import Hit, PrefixCache, PrefixCacheConfig
 from pdserve.prefill.scheduler import ChunkScheduler
-
-
-class PrefixCacheConfig(msgspec.Struct, frozen=True):
-    """The prefix cache of a reference prefill rank: at most `max_bytes` of state, or (0)
-    `max_share` of the pools' bytes; a KDA checkpoint every `checkpoint_interval` blocks besides
-    the one at each prompt's last full block."""
-
-    enabled: bool = True
-    max_bytes: int = 0
-    max_share: float = 0.5
-    checkpoint_interval: int = 16
 
 
 class _Cached(msgspec.Struct):

@@ -28,6 +28,17 @@ from pdserve.prefill.scheduler import UNIT
 from pdserve.state.pools import StatePools
 
 
+class PrefixCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The prefix cache of a reference prefill rank (`[prefill.prefix_cache]`): at most
+    `max_bytes` of state, or (0) `max_share` of the pools' bytes; a KDA checkpoint every
+    `checkpoint_interval` blocks besides the one at each prompt's last full block."""
+
+    enabled: bool = True
+    max_bytes: int = 0
+    max_share: float = 0.5
+    checkpoint_interval: int = 16
+
+
 @dataclass
 class _Entry:
     parent: int | None
