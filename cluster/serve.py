@@ -103,6 +103,7 @@ class Builder:
             dict(self.common, layout=cfg.layout(cfg.prefill.conv_layout),
                  num_pages=cfg.prefill.num_pages, num_slots=cfg.prefill.num_slots,
                  lease_s=cfg.transfer.lease_s, chunk_tokens=cfg.prefill.chunk_tokens or None,
+                 prefix_cache=cfg.prefill.prefix_cache,
                  # pages laid out per decode DCP rank: one read per rank and layer
                  decode_topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave)),
             res.cpus_per_rank, res.gpus_per_rank, res.call_timeout_s, res.torch_threads)
