@@ -2,17 +2,22 @@
 bits of an uncached prefill (first token, KDA recurrent and conv state, MLA latent rows, the
 tokens decoded after), greedy and seeded, for hits of no, some and all full blocks; eviction
 never frees an entry in use, and a cache full of pinned entries leaves new requests uncached
-rather than refused."""
+rather than refused; through `pdserve serve` on real Ray and NIXL, turn 2 of a conversation
+hits on turn 1's prompt at concurrency 1."""
+import httpx
 import msgspec
 import pytest
 import torch
 
 from pdserve.cluster.config import ConfigError, ServeConfig, load_serve_config, validate
+from pdserve.cluster.serve import running_server
 from pdserve.model.config import preset
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillRank
 from pdserve.prefill.prefix_cache import PrefixCacheConfig
 from pdserve.prefill.scheduler import ChunkScheduler
+
+from ports import free_port
 
 DECODED = 3  # tokens after the first, decoded from each rank's own state
 
@@ -192,3 +197,33 @@ def test_the_prefix_cache_table_is_validated_and_named(tmp_path):
     path.write_text("[prefill.prefix_cache]\nbytes = 1\n")
     with pytest.raises(ConfigError, match=r"prefill\.prefix_cache"):
         load_serve_config(path)
+
+
+def test_turn_two_of_a_conversation_hits_through_pdserve_serve(ray_session):
+    """At concurrency 1 on a cold cache: turn 1 leaves a checkpoint at its prompt's last full
+    block, so turn 2 (turn 1's prompt + its answer + a new question) prefills from there."""
+    cfg = ServeConfig()
+    cfg = msgspec.structs.replace(
+        cfg, api=msgspec.structs.replace(cfg.api, port=free_port(), request_timeout_s=120),
+        resources=msgspec.structs.replace(cfg.resources, cpus_per_rank=0.25, call_timeout_s=60))
+    model = validate(cfg)
+    turn1 = "You are a careful assistant. Tools: search(q), read(url). " * 3  # 180 bytes
+
+    def complete(url, prompt):
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with running_server(cfg, model, progress=lambda m: None) as (url, router):
+        def stats():
+            [st] = router.prefill[0].inst.ranks.call("stats")
+            return st
+        answer = complete(url, turn1)
+        st = stats()
+        assert (st["prefix_hits"], st["prefix_misses"], st["prefix_entries"]) == (0, 1, 2)
+        assert st["prefix_checkpoints"] == 1  # at 128, turn 1's last full block
+        complete(url, turn1 + answer + " Now read the first result.")
+        st = stats()
+        assert (st["prefix_hits"], st["prefix_misses"]) == (1, 1)
+        assert st["prefix_cached_tokens"] == 128
