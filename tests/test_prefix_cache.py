@@ -125,6 +125,24 @@ def test_stops_cut_the_chunks():
     r.close()
 
 
+def test_a_hit_cancelled_mid_prefill_frees_its_own_state_only():
+    r = rank(PrefixCacheConfig(checkpoint_interval=1), chunk_tokens=64)
+    p = SamplingParams(max_tokens=8)
+    prefill(r, "a", A, p)
+    r.cancel("a")
+    base = r.stats()
+    assert base["prefix_entries"] == 3 and base["held"] == 0
+    assert r.prefill([Request("b", A + R + R2, p)], [r.info()]) == []  # hit 192, then 64 more
+    assert r.engine.pools.slots.num_free == base["slots_free"] - 2  # running slot + at 256
+    assert r.cancel("b")
+    st = r.stats()
+    assert (st["prefix_hits"], st["prefix_cached_tokens"]) == (1, 192)
+    assert {k: st[k] for k in ("pages_free", "slots_free", "prefix_entries")} == {
+        k: base[k] for k in ("pages_free", "slots_free", "prefix_entries")}
+    assert all(e.refs == 0 for e in r.cache._entries.values())
+    r.close()
+
+
 def entry_bytes(r):
     return r.cache.page_bytes + r.cache.slot_bytes
 
