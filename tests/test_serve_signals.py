@@ -60,9 +60,10 @@ def _start(tmp_path, extra_api=""):
                             stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
-                     daemon=True).start()
-    return proc, f"http://127.0.0.1:{api}", lines
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    return proc, f"http://127.0.0.1:{api}", lines, reader
 
 
 def _wait_for(what, cond, proc, lines, timeout):
@@ -109,7 +110,7 @@ def _complete(url, max_tokens, out):
 
 
 def test_sigterm_mid_load_drains_then_ends_the_rest_with_an_error_event(tmp_path):
-    proc, url, lines = _start(tmp_path, "drain_s = 5.0")
+    proc, url, lines, reader = _start(tmp_path, "drain_s = 5.0")
     try:
         _wait_for("the server comes up", lambda: _up(url), proc, lines, 240)
         # short requests finish within the drain; long ones (the whole context, EOS ignored)
@@ -135,7 +136,8 @@ def test_sigterm_mid_load_drains_then_ends_the_rest_with_an_error_event(tmp_path
         assert "shutting down" in r.json()["error"]["message"]
         health = httpx.get(f"{url}/health", timeout=30)
         assert health.status_code == 503 and health.json()["reason"] == "shutting down"
-        out, _ = proc.communicate(timeout=180)
+        proc.wait(timeout=180)
+        reader.join(30)  # the reader has every line once stdout closes
         for t in threads:
             t.join(60)
             assert not t.is_alive()
