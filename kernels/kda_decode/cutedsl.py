@@ -37,7 +37,6 @@ benchmarks/results/kda_decode_h200.json.
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from typing import Any
 
