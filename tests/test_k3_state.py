@@ -1,12 +1,8 @@
 """K3's state (96 KDA heads, 96 MLA heads, at reduced widths) through the pools, the transfer
 planner at p -> d dividing the heads, and TP = 2 against TP = 1 on the reference engine."""
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pdserve.model.config import reduced_kimi_k3
 from pdserve.model.generate import ReferenceEngine, build_model
@@ -14,6 +10,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.state.layout import RankShapes, StateLayout
 
+from test_tp import tp_results
 from test_transfer_plan import run_case
 
 K3 = RankShapes.of(reduced_kimi_k3(num_layers=5))
@@ -46,27 +43,9 @@ def _run(tp: TPGroup):
     return torch.stack(rows), eng.pools.slots.recurrent.shape
 
 
-def _worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.save(_run(TPGroup.from_dist()), os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_k3_tp2_equals_tp1():
     ref, ref_shape = _run(TPGroup())
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "init"), d))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=240)
-            assert not p.is_alive(), "TP worker hung"
-            assert p.exitcode == 0, f"TP worker failed with exit code {p.exitcode}"
-        results = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
+    results = tp_results(_run)
     scale = ref.abs().max()
     for logits, shape in results:
         assert torch.allclose(logits, ref, atol=1e-5 * scale, rtol=0), (logits - ref).abs().max()

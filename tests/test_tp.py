@@ -34,26 +34,33 @@ def _logits_and_tokens(tp: TPGroup):
             eng.pools.slots.recurrent.shape, eng.pools.empty)
 
 
-def _worker(rank, world, init_file, out_dir):
+def _worker(fn, rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        torch.save(_logits_and_tokens(TPGroup.from_dist()), os.path.join(out_dir, f"{rank}.pt"))
+        torch.save(fn(TPGroup.from_dist()), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_tp2_equals_tp1():
-    ref_logits, ref_greedy, ref_sampled, ref_shape, _ = _logits_and_tokens(TPGroup())
+def tp_results(fn, world: int = 2, timeout_s: float = 240) -> list:
+    """fn(tp) on `world` spawned gloo processes (fn importable from a module): what each rank
+    returned, in rank order."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "init"), d)) for r in range(2)]
+        procs = [ctx.Process(target=_worker, args=(fn, r, world, os.path.join(d, "init"), d))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout=240)
+            p.join(timeout=timeout_s)
             assert not p.is_alive(), "TP worker hung"
             assert p.exitcode == 0, f"TP worker failed with exit code {p.exitcode}"
-        results = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def test_tp2_equals_tp1():
+    ref_logits, ref_greedy, ref_sampled, ref_shape, _ = _logits_and_tokens(TPGroup())
+    results = tp_results(_logits_and_tokens)
     for logits, greedy, sampled, shape, empty in results:
         scale = ref_logits.abs().max()
         assert torch.allclose(logits, ref_logits, atol=1e-5 * scale, rtol=0)
