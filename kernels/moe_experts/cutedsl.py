@@ -53,6 +53,15 @@ def token_tile(batch: int) -> int:
     return next(n for n in (8, 16, 32, 64) if batch <= n)
 
 
+@cute.jit
+def _group_span(mEnd: cute.Tensor, g: Int32):
+    """(first pair, end) of group g from the cumulative group ends."""
+    s = Int32(0)
+    if g > 0:
+        s = mEnd[g - 1]
+    return s, mEnd[g]
+
+
 class MoeExpertsSm90:
     """One stage for fixed (hidden, inter, groups), token tile `bn` and ring depth `stages`."""
 
@@ -148,10 +157,8 @@ class MoeExpertsSm90:
             for c in cutlass.range_constexpr(self.gpl):
                 g = lane * self.gpl + c
                 if g < G:
-                    s = Int32(0)
-                    if g > 0:
-                        s = mEnd[g - 1]
-                    if mEnd[g] > s:
+                    s, e = _group_span(mEnd, g)
+                    if e > s:
                         cnt += 1
             incl = cnt
             for off in (1, 2, 4, 8, 16):
@@ -162,10 +169,7 @@ class MoeExpertsSm90:
             for c in cutlass.range_constexpr(self.gpl):
                 g = lane * self.gpl + c
                 if g < G:
-                    s = Int32(0)
-                    if g > 0:
-                        s = mEnd[g - 1]
-                    e = mEnd[g]
+                    s, e = _group_span(mEnd, g)
                     if e > s:
                         sRuns[3 * pos] = g
                         sRuns[3 * pos + 1] = s
