@@ -14,7 +14,7 @@ import ray
 from pdserve.decode.batcher import Batcher
 from pdserve.decode.instance import DecodeInstance, LocalRanks
 from pdserve.decode.rank import DecodeRank
-from pdserve.model.config import preset, reduced_kimi_linear
+from pdserve.model.config import preset, reduced_kimi_k3, reduced_kimi_linear
 from pdserve.model.generate import ReferenceEngine, build_model
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillRank
@@ -121,14 +121,20 @@ def test_step_rows_go_to_the_ranks_in_slot_order_and_tokens_stay_with_their_requ
         pair.close()
 
 
-@pytest.mark.parametrize("name", ["tiny", "kimi-linear-reduced"])
-@pytest.mark.parametrize("p,d", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+RESHARD_CONFIGS = {"tiny": lambda: preset("tiny"),
+                   "kimi-linear-reduced": lambda: reduced_kimi_linear(2, 4, 2, vocab_size=512),
+                   "kimi-k3-reduced": lambda: reduced_kimi_k3(num_layers=5)}
+
+
+@pytest.mark.parametrize("name,p,d", [("tiny", 2, 1), ("tiny", 1, 2),
+                                      ("kimi-linear-reduced", 2, 1),
+                                      ("kimi-linear-reduced", 1, 2), ("kimi-k3-reduced", 2, 1)])
 def test_resharded_tokens_equal_monolithic(ray_session, p, d, name):
     """KDA state resharded by head (and the replicated latent read from one replica) between
     TP sizes, greedy and seeded; for kimi-linear a 2-layer reduced model (one KDA + dense MLP, one
-    MLA + MoE) keeps it short."""
+    MLA + MoE) keeps it short; the reduced K3 (AttnRes, latent MoE, 96 heads) at 2 -> 1."""
     from pdserve.cluster.actors import SourceDigests, start_instance
-    config = preset("tiny") if name == "tiny" else reduced_kimi_linear(2, 4, 2, vocab_size=512)
+    config = RESHARD_CONFIGS[name]()
     prompts = [[t % config.vocab_size for t in pr] for pr in PROMPTS]
     want = monolithic(config, prompts, PARAMS)
     common = dict(config=config, layout=LAYOUT, seed=5, num_pages=32, num_slots=8)
