@@ -40,9 +40,14 @@ def test_moe_route_compiles(experts_, top_k, shared, bias, tmp_path):
 @pytest.mark.parametrize("hidden,inter,groups,bn", [(2304, 1024, 257, 8), (2304, 1024, 257, 64),
                                                     (256, 128, 33, 16), (3584, 3072, 897, 32)])
 def test_moe_experts_compiles(stage, hidden, inter, groups, bn, tmp_path):
-    fn = experts.compile_variant(stage, hidden, inter, groups, bn, dump_dir=str(tmp_path))
+    fn = experts.compile_variant(stage, hidden, inter, groups, bn, shared=True,
+                                 dump_dir=str(tmp_path))
     _check(fn)
-    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16" in fn.artifacts.PTX
+    ptx = fn.artifacts.PTX
+    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16" in ptx
+    # PDL: weights to L2 before the wait (gate_up: the shared expert; down: first tiles)
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert ptx.index("cp.async.bulk.prefetch.tensor") < ptx.index("griddepcontrol.wait")
 
 
 def test_moe_experts_slots_and_tiles():

@@ -1,11 +1,13 @@
 """Routed experts for decode steps (op "moe_experts"): torch reference + CuTe DSL sm_90a kernel.
 
     impl(x [B, hidden] bf16, w13 [G, 2I, hidden] bf16, w2 [G, hidden, I] bf16,
-         pair_token [P] int32, group_end [G] int32) -> rows [P, hidden] bf16
+         pair_token [P] int32, group_end [G] int32, shared=False) -> rows [P, hidden] bf16
 
 The pairs come from `moe_route` (by expert, then token; the shared expert is the last group);
 rows[p] is pair p's expert output before its routing weight, which the combine in
-`add_rmsnorm` applies. Only the groups some pair chose are read (reference.py).
+`add_rmsnorm` applies. Only the groups some pair chose are read (reference.py). `shared` says
+the last group is a shared expert (every token's pair): a hint that lets the kernel fetch its
+weights before the routing is known; results do not depend on it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ OP = "moe_experts"
 MAX_TOKENS = 64   # tokens per step: every run of pairs fits one MMA N tile
 
 
-def moe_experts_problem(x, w13, w2, pair_token, group_end) -> dict[str, Any]:
+def moe_experts_problem(x, w13, w2, pair_token, group_end, shared=False) -> dict[str, Any]:
     dev = x.device
     return {
         "device_type": dev.type,
@@ -55,9 +57,9 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
     return cutedsl_refusal()
 
 
-def moe_experts_cutedsl(*args):
+def moe_experts_cutedsl(x, w13, w2, pair_token, group_end, shared=False):
     from .cutedsl import launch
-    return launch(*args)
+    return launch(x, w13, w2, pair_token, group_end, shared)
 
 
 registry.register(OP, registry.REFERENCE, moe_experts_reference)

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 
-def moe_experts_reference(x, w13, w2, pair_token, group_end):
+def moe_experts_reference(x, w13, w2, pair_token, group_end, shared=False):
     """rows [P, hidden] (x's dtype) for x [B, hidden], w13 [G, 2I, hidden] (gate rows then up
-    rows), w2 [G, hidden, I], pair_token [P] int32, group_end [G] int32."""
+    rows), w2 [G, hidden, I], pair_token [P] int32, group_end [G] int32 (`shared`, a fetch
+    hint of the kernel, changes nothing here)."""
     inter = w2.shape[2]
     gu = torch._grouped_mm(x.index_select(0, pair_token), w13.transpose(1, 2), offs=group_end)
     act = F.silu(gu[:, :inter]) * gu[:, inter:]

@@ -72,6 +72,9 @@ class MoeRouteSm90:
         mTokenPair = cute.make_tensor(token_pair, cute.make_layout(MAX_TOKENS * S))
         mGroupEnd = cute.make_tensor(group_end, cute.make_layout(E + 1))
         n = B * K
+        # moe_experts (launched with PDL) may start now: its set-up and its L2 prefetch of
+        # the shared expert overlap this kernel; it waits for our outputs (griddepcontrol.wait)
+        cute.arch.griddepcontrol_launch_dependents()
 
         for i in range(tidx, 2 * E, THREADS):
             sMask[i] = Int32(0)

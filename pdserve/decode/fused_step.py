@@ -204,7 +204,7 @@ class _Moe:
                        c.moe_router_activation_func, c.moe_renormalize,
                        c.routed_scaling_factor, self.shared, pair_token, pair_weight,
                        token_pair, group_end)
-        rows = self.ops.experts(h, self.w13, self.w2, pair_token, group_end)
+        rows = self.ops.experts(h, self.w13, self.w2, pair_token, group_end, bool(self.shared))
         return rows, token_pair, pair_weight
 
 

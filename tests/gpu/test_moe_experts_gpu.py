@@ -48,12 +48,14 @@ def test_moe_experts_kernel(H, I, E, k, B, kind):
     want = moe_experts_reference(x, w13, w2, pair_token, group_end).float()
     P = pair_token.shape[0]
     _poison_free_blocks((P, H), (P, I))
-    got = moe_experts_cutedsl(x, w13, w2, pair_token, group_end)
-    again = moe_experts_cutedsl(x, w13, w2, pair_token, group_end)
+    got = moe_experts_cutedsl(x, w13, w2, pair_token, group_end, True)
+    again = moe_experts_cutedsl(x, w13, w2, pair_token, group_end, True)
+    unhinted = moe_experts_cutedsl(x, w13, w2, pair_token, group_end, False)
     torch.cuda.synchronize()
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert torch.isfinite(got).all(), "unwritten (NaN) output rows"
     assert torch.equal(got, again), "not reproducible"
+    assert torch.equal(got, unhinted), "the shared-expert prefetch hint changed the result"
     err = (got.float() - want).abs().max().item()
     scale = want.abs().max().item()
     assert err <= 2e-2 * scale, f"max error {err} against scale {scale}"
