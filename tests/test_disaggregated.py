@@ -333,14 +333,6 @@ def test_cancel_mid_generation_returns_pools_to_start_and_exhaustion_is_clean():
         pair.close()
 
 
-def test_decode_refuses_dcp_and_impossible_topologies_clearly():
-    from pdserve.decode.instance import DecodeInstance
-    from pdserve.state.block_table import Topology
-    with pytest.raises(ValueError, match="DCP > 1 is not supported"):
-        DecodeInstance("d", LocalRanks([object()]), LAYOUT, set(), Topology(1, 1)) and \
-            DecodeInstance("d", type("G", (), {"size": 2})(), LAYOUT, set(), Topology(2, 2))
-
-
 def test_decode_side_ids_may_differ_from_the_source_ids():
     """vLLM numbers its requests itself, so a handle's request_id (ours) and its manifest's (the
     source's) differ; decode must key the request by ours, and the source must still hear (by its

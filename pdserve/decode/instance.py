@@ -84,9 +84,10 @@ class DecodeInstance:
         self.topology = topology or Topology(tp=ranks.size)
         if self.topology.tp != ranks.size:
             raise ValueError(f"topology TP={self.topology.tp} but {ranks.size} ranks")
-        if self.topology.dcp != 1:
-            raise ValueError("decode with DCP > 1 is not supported by the reference runtime yet "
-                             f"(got dcp={self.topology.dcp}); DCP transfers are")
+        if self.topology.dcp > 1 and local_prefill:
+            raise ValueError(f"DCP={self.topology.dcp} needs state by transfer: ranks that "
+                             "prefill each request themselves (monolithic mode) hold the whole "
+                             "latent")
         self.digests = digests
         self.local_prefill, self.idle_threads = local_prefill, idle_threads
         self.transfers = 0

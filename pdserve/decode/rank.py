@@ -19,8 +19,9 @@ import torch
 from pdserve.decode.graphs import DecodeGraphs
 from pdserve.kernels import registry
 from pdserve.model.batch import DecodeBatch, ForwardBatch
+from pdserve.model.dcp import DCPDecodeBatch
 from pdserve.model.generate import ReferenceEngine, Sequence, build_model
-from pdserve.model.parallel import TPGroup
+from pdserve.model.parallel import DCPGroup, TPGroup
 from pdserve.model.sampling import Request, Sampled, SamplingParams, sample_rows
 from pdserve.state.block_table import BlockTable, Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
@@ -88,6 +89,21 @@ def _fused_step(model, pools: StatePools, backend: str):
         return None
 
 
+def _dcp_group(rank: int, tp: TPGroup, topology: Topology, local_prefill: bool,
+               cuda_graphs: bool) -> DCPGroup | None:
+    """The rank's DCP group (None at DCP 1); ValueError names what a DCP rank cannot do."""
+    if topology.tp != tp.size:
+        raise ValueError(f"topology TP={topology.tp} on a rank of a TP group of {tp.size}")
+    if topology.dcp == 1:
+        return None
+    if local_prefill:
+        raise ValueError(f"DCP={topology.dcp} needs state by transfer: a rank that prefills "
+                         "itself (monolithic mode) holds the whole latent")
+    if cuda_graphs:
+        raise ValueError(f"DCP={topology.dcp}: CUDA graph capture runs DCP 1 only")
+    return DCPGroup(rank, topology, tp.group)
+
+
 class DecodeRank:
     def __init__(self, instance: str, rank: int, config, tp: TPGroup | None = None,
                  layout: StateLayout | None = None, num_pages: int = 256, num_slots: int = 16,
@@ -95,14 +111,19 @@ class DecodeRank:
                  transfer: TransferConfig = TransferConfig(), device: str = "cpu",
                  generation: int = 0, dtype: str = "float32", cuda_graphs: bool = False,
                  graph_max_tokens: int = 4096, mla_fp8_query: str | None = None,
-                 mla_deterministic: bool = False, local_prefill: bool = False):
+                 mla_deterministic: bool = False, local_prefill: bool = False,
+                 topology: Topology | None = None):
         """`cuda_graphs`: capture the decode step per batch-size bucket (CUDA, TP=1) for
         sequences of up to `graph_max_tokens` tokens; other steps run eagerly (logged once).
         `mla_fp8_query`, `mla_deterministic`: the MLA kernel's query over an fp8 latent pool
         and its run-to-run determinism (mla_step_for). `local_prefill`: requests arrive by
         `admit` + `prefill` here instead of `allocate` + `receive`; `transfer` and
-        `generation` (which versions the transfer endpoint) are then unused."""
+        `generation` (which versions the transfer endpoint) are then unused. `topology`: the
+        instance's TP / DCP / interleave (default TP = tp.size, DCP 1); with DCP > 1 this rank
+        holds every request's DCP shard of the latent and attends over it with its group."""
         tp = tp or TPGroup()
+        self.topology = topology or Topology(tp=tp.size)
+        self.dcp = _dcp_group(rank, tp, self.topology, local_prefill, cuda_graphs)
         self.rank, self.config = rank, config
         self.model = build_model(config, tp, dtype=dtype_of(dtype), seed=seed,
                             checkpoint=checkpoint).to(device)
@@ -145,6 +166,9 @@ class DecodeRank:
 
     def allocate(self, manifest: StateManifest, topology: Topology, extra_tokens: int):
         """(pages, slots, staging slots), or None when this rank's pools are full."""
+        if topology != self.topology:
+            raise ValueError(f"rank {self.rank}: allocation for {topology} on a rank built for "
+                             f"{self.topology}")
         try:
             return self.dest.allocate(manifest, topology, extra_tokens)
         except PoolExhausted:
@@ -244,7 +268,12 @@ class DecodeRank:
                 self._eager_reasons.add(why)
                 log.warning("decode step runs without CUDA graphs: %s", why)
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            if self.fused is not None:
+            if self.dcp is not None:
+                batch = DCPDecodeBatch.of(tables, self.dcp, self.pools.latent.page_tokens,
+                                          self.device)
+                logits = self.model(ids, batch, self.pools, kda_step=self.kda_step,
+                                    mla_step=self.mla_step)
+            elif self.fused is not None:
                 batch = DecodeBatch.of(tables, self.pools.latent.page_tokens, self.device)
                 logits = self.fused(ids, batch)
             else:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.batch import DecodeBatch, ForwardBatch
+from pdserve.model.dcp import DCPDecodeBatch
 from pdserve.model.norms import RMSNorm
 from pdserve.model.parallel import MIN_ROWS, Linear, TPGroup
 from pdserve.state.pools import LatentPool
@@ -36,6 +37,20 @@ def absorbed_attention(q_abs: torch.Tensor, rows: torch.Tensor, kv_lora_rank: in
     out = torch.einsum("...thl,...lr->...thr", torch.exp(scores - lse[..., None]),
                        rows[..., :kv_lora_rank].float())
     return out, lse
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The exact softmax attention from partials over disjoint row sets: out [c, ..., R] and
+    lse [c, ...] (natural log) -> [..., R]. Partials are summed in index order (the DCP rank
+    they came from), so the result does not depend on when each arrived. A partial over no
+    rows (lse -inf, its out undefined) weighs nothing; at least one must have rows."""
+    top = lse.max(dim=0).values
+    weight = torch.exp(lse - top)                               # [c, ...]
+    total = torch.zeros_like(out[0])
+    for k in range(out.shape[0]):
+        part = torch.where(torch.isfinite(lse[k])[..., None], out[k], 0.0)
+        total = total + weight[k][..., None] * part
+    return total / weight.sum(dim=0)[..., None]
 
 
 class MLAAttention(nn.Module):
@@ -84,7 +99,10 @@ class MLAAttention(nn.Module):
         T = x.shape[0]
         q = self.query(x).float()
         new_rows = self.latent(x)
-        if isinstance(batch, DecodeBatch):
+        if isinstance(batch, DCPDecodeBatch):
+            _store_decode_rows(pool, layer, batch, new_rows, batch.store)
+            out = self._dcp_decode(q, pool, layer, batch, mla_step)
+        elif isinstance(batch, DecodeBatch):
             _store_decode_rows(pool, layer, batch, new_rows)
             out = None if mla_step is None else self._fused_decode(q, pool, layer, batch, mla_step)
             if out is None:
@@ -144,6 +162,35 @@ class MLAAttention(nn.Module):
             return None
         return torch.einsum("bhr,hvr->bhv", res[0].float(), w_uv)
 
+    def _dcp_decode(self, q: torch.Tensor, pool: LatentPool, layer: int,
+                    batch: DCPDecodeBatch, mla_step) -> torch.Tensor:
+        """Decode attention of this rank's heads over a DCP group's shards (docs/design.md §5,
+        DCP): the absorbed queries of every head are gathered from the group, each rank attends
+        its own rows with every head (a partial output and its LSE), the partials of this
+        rank's heads come back from every rank (one all-to-all) and merge exactly."""
+        w_uk, w_uv = self.w_uk_uv()
+        q_all = batch.dcp.all_gather_heads(self._absorb(q, w_uk))     # [B, H, R+P]
+        lat, lse = self._partial(q_all, pool, layer, batch, mla_step)
+        parts = batch.dcp.scatter_heads(torch.cat([lat, lse[..., None]], dim=-1))
+        return torch.einsum("bhr,hvr->bhv", merge_partials(parts[..., :-1], parts[..., -1]), w_uv)
+
+    def _partial(self, q_abs: torch.Tensor, pool: LatentPool, layer: int,
+                 batch: DCPDecodeBatch, mla_step) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent out [B, H, R] fp32, lse [B, H]) of q_abs over this rank's rows: by `mla_step`
+        (which returns each row's LSE) unless it declines, else in torch."""
+        res = None if mla_step is None else mla_step(
+            q_abs.to(torch.bfloat16), pool.data[layer], batch.mla_pages, batch.mla_seq_lens,
+            self.scale, pool.scale if pool.is_fp8 else None,
+            max_seq_len=batch.pages.shape[1] * pool.page_tokens)
+        if res is not None:  # a row with no rows here ran on one padding row: no weight
+            empty = (batch.local_len == 0)[:, None]
+            return res[0].float(), torch.where(empty, float("-inf"), res[1].float())
+        rows = _gather_rows(pool, layer, batch)
+        visible = torch.arange(rows.shape[1], device=rows.device) < batch.local_len[:, None]
+        lat, lse = absorbed_attention(q_abs[:, None], rows, self.rank, self.scale,
+                                      visible[:, None, :])
+        return lat[:, 0], lse[:, 0]
+
     def _absorbed(self, q: torch.Tensor, rows: torch.Tensor,
                   context: int | torch.Tensor) -> torch.Tensor:
         """q [..., T, H, nope+rope] of the tokens at positions context.. over their sequence's
@@ -160,12 +207,14 @@ class MLAAttention(nn.Module):
 
 
 def _store_decode_rows(pool: LatentPool, layer: int, batch: DecodeBatch,
-                       new_rows: torch.Tensor) -> None:
-    """Store each live row's new latent at its position, by tensor indices only. Padding rows
-    store back what their page-0 slot already holds, so the pool is left bit-identical there."""
+                       new_rows: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Store the new latent of each row in `mask` (default: the live ones) at its position, by
+    tensor indices only. Other rows store back what their page-0 slot already holds, so the
+    pool is left bit-identical there."""
     data, page, row = pool.data[layer], batch.new_page, batch.new_row
+    mask = batch.live if mask is None else mask
     data.index_put_((page, row),
-                    torch.where(batch.live[:, None], pool.quantize(new_rows), data[page, row]))
+                    torch.where(mask[:, None], pool.quantize(new_rows), data[page, row]))
 
 
 def _gather_rows(pool: LatentPool, layer: int, batch: DecodeBatch) -> torch.Tensor:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.state.block_table import Topology
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -45,6 +47,42 @@ class TPGroup:
         if not dist.is_initialized():
             return TPGroup()
         return TPGroup(dist.get_rank(group), dist.get_world_size(group), group)
+
+
+@dataclass(frozen=True)
+class DCPGroup:
+    """This rank's place in its decode context-parallel group: the ranks that split each
+    request's latent rows by token, token t on DCP rank (t // interleave) % dcp
+    (`Topology`, docs/design.md §3). The group is the instance's TP group (DCP = TP), so the
+    heads a rank holds are its TP shard and gathering them in rank order gives every head in
+    order."""
+
+    rank: int
+    topology: Topology
+    group: object | None = None  # the TP group's torch.distributed ProcessGroup
+
+    @property
+    def size(self) -> int:
+        return self.topology.dcp
+
+    def local_count(self, num_tokens: int) -> int:
+        """How many of the first `num_tokens` positions this rank holds."""
+        return self.topology.local_count(self.rank, num_tokens)
+
+    def all_gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H_local, D] on every rank -> [B, size * H_local, D], ranks' heads in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def scatter_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, size * H_local, D] on every rank -> [size, B, H_local, D]: every rank's values for
+        this rank's heads, indexed by the rank they came from (one all-to-all)."""
+        B, H, D = x.shape
+        send = x.view(B, self.size, H // self.size, D).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv
 
 
 def sharded(full_shape: tuple[int, ...], shard_dim: int | None, tp: TPGroup,
