@@ -247,9 +247,12 @@ def validate(cfg: ServeConfig) -> ModelConfig:
                           f"got {cfg.decode.tp}")
     if cfg.decode.dcp not in (1, cfg.decode.tp):
         raise ConfigError("decode.dcp", f"must be 1 or decode.tp={cfg.decode.tp}, got {cfg.decode.dcp}")
-    if cfg.decode.dcp > 1:
-        raise ConfigError("decode.dcp", "decode with DCP > 1 is not supported by the decode "
-                          "runtime yet (transfer supports it); use 1")
+    if cfg.decode.dcp > 1 and cfg.monolithic:
+        raise ConfigError("decode.dcp", f"DCP={cfg.decode.dcp} needs mode = \"disaggregated\" "
+                          "(a monolithic rank prefills alone and holds the whole latent)")
+    if cfg.decode.dcp > 1 and cfg.decode.cuda_graphs:
+        raise ConfigError("decode.dcp", f"DCP={cfg.decode.dcp}: decode.cuda_graphs captures "
+                          "DCP 1 only")
     if cfg.decode.num_slots < 2:
         raise ConfigError("decode.num_slots", "needs at least 2 (slot 0 is padding)")
     if cfg.decode.mla_fp8_query is not None and not mla_fp8_pool(cfg):

@@ -189,7 +189,8 @@ def decode_kwargs(cfg: ServeConfig) -> dict:
                 num_slots=cfg.decode.num_slots, backend=cfg.decode.backend, transfer=transfer,
                 cuda_graphs=cfg.decode.cuda_graphs, graph_max_tokens=max_context(cfg),
                 mla_fp8_query=cfg.decode.mla_fp8_query,
-                mla_deterministic=cfg.decode.mla_deterministic)
+                mla_deterministic=cfg.decode.mla_deterministic,
+                topology=Topology(cfg.decode.tp, cfg.decode.dcp, cfg.decode.interleave))
 
 
 def decode_slot(cfg: ServeConfig, model, d: Instance, prefill: list[Instance]) -> DecodeSlot:
