@@ -1,3 +1,6 @@
+import json
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -6,7 +9,9 @@ from pdserve.model.config import load_config, preset
 from pdserve.model.generate import build_model
 from pdserve.model.model import HybridModel
 from pdserve.model.parallel import TPGroup
-from pdserve.model.weights import WEIGHTS_FILE, full_state, load_checkpoint, save_checkpoint
+from pdserve.model.checkpoint import INDEX_FILE, CheckpointError
+from pdserve.model.weights import (WEIGHTS_FILE, check_checkpoint, full_state, load_checkpoint,
+                                   save_checkpoint)
 
 
 def test_seeded_init_is_deterministic_per_seed():
@@ -54,20 +59,96 @@ def test_checkpoint_round_trip_and_tp_slicing(tmp_path):
     assert torch.equal(a_log, tensors["model.layers.0.self_attn.A_log"][:, :, 2:])
 
 
-def test_bad_checkpoints_name_the_tensor(tmp_path):
+def _sharded(directory, cfg, tensors, shard_bytes=200_000):
+    """A checkpoint in the layout Kimi ships: shards + model.safetensors.index.json."""
+    save_checkpoint(directory, cfg, tensors, max_shard_bytes=shard_bytes)
+    return json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+
+
+def test_sharded_checkpoint_through_the_index_each_rank_reading_its_slices(tmp_path):
+    cfg = preset("tiny")
+    src = build_model(cfg, seed=9)
+    tensors = {k: v.to(torch.bfloat16) if v.dtype == torch.float32 and v.dim() == 2 else v
+               for k, v in full_state(src, seed=9).items()}  # bf16 linears, as released
+    weight_map = _sharded(tmp_path, cfg, tensors)
+    files = sorted(set(weight_map.values()))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all((tmp_path / f).exists() for f in files) and not (tmp_path / WEIGHTS_FILE).exists()
+    (tmp_path / "stray.safetensors").write_bytes(b"not one")  # not in the index: never opened
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for tp in (TPGroup(), TPGroup(rank=0, size=2), TPGroup(rank=1, size=2)):
+        model = HybridModel(cfg, tp, torch.bfloat16)
+        ckpt = load_checkpoint(model, tmp_path)
+        for name, p in model.named_parameters():
+            want = tensors[name].chunk(tp.size, p.shard_dim)[tp.rank] if p.shard_dim is not None \
+                else tensors[name]
+            assert torch.equal(p, want.to(p.dtype)), name
+        # what was read is exactly the rank's slices: half of every sharded weight at TP=2
+        assert ckpt.bytes_read == sum(p.numel() * tensors[n].element_size()
+                                      for n, p in model.named_parameters())
+        assert ckpt.bytes_read == total if tp.size == 1 else ckpt.bytes_read < 0.6 * total
+
+
+@pytest.fixture()
+def sharded_dir(tmp_path):
     cfg = preset("tiny")
     tensors = full_state(build_model(cfg), seed=0)
-    bad = dict(tensors)
-    del bad["model.norm.weight"]
-    save_checkpoint(tmp_path / "missing", cfg, bad)
-    with pytest.raises(KeyError, match="lacks 1 tensors.*model.norm.weight"):
-        build_model(cfg, checkpoint=str(tmp_path / "missing"))
-    bad = dict(tensors, **{"model.norm.weight": torch.ones(7)})
-    save_checkpoint(tmp_path / "shape", cfg, bad)
-    with pytest.raises(ValueError, match=r"model.norm.weight: checkpoint shape \(7,\)"):
-        build_model(cfg, checkpoint=str(tmp_path / "shape"))
-    with pytest.raises(FileNotFoundError):
-        build_model(cfg, checkpoint=str(tmp_path))
+    return cfg, tensors, tmp_path / "ok", _sharded(tmp_path / "ok", cfg, tensors)
+
+
+NORM = "model.norm.weight"
+
+
+def _bad(tmp_path, cfg, tensors, name, **changes):
+    d = tmp_path / name
+    tensors = {k: v for k, v in {**tensors, **changes}.items() if v is not None}
+    return d, _sharded(d, cfg, tensors)
+
+
+def test_bad_checkpoints_fail_before_any_weight_is_read_naming_tensor_and_file(
+        tmp_path, sharded_dir):
+    cfg, tensors, ok, weight_map = sharded_dir
+    norm_file = weight_map[NORM]
+    cases = []
+    d = tmp_path / "missing-shard"
+    shutil.copytree(ok, d)
+    (d / norm_file).unlink()
+    cases.append((d, rf"{INDEX_FILE} names shard {norm_file}, which is missing"))
+    d, m = _bad(tmp_path, cfg, tensors, "shape", **{NORM: torch.ones(7)})
+    cases.append((d, rf"{NORM} in {m[NORM]}: shape \(7,\), the model's is \(128,\)"))
+    d, m = _bad(tmp_path, cfg, tensors, "dtype", **{NORM: torch.ones(128, dtype=torch.int32)})
+    cases.append((d, rf"{NORM} in {m[NORM]}: dtype I32, expected a float"))
+    d, m = _bad(tmp_path, cfg, tensors, "missing", **{NORM: None})
+    cases.append((d, rf"lacks {NORM} \(shape \(128,\)\)"))
+    d, m = _bad(tmp_path, cfg, tensors, "extra", **{"model.extra.weight": torch.ones(3)})
+    cases.append((d, rf"1 tensors the model does not use, e.g. model.extra.weight in "
+                     rf"{m['model.extra.weight']}"))
+    d = tmp_path / "index-lies"
+    shutil.copytree(ok, d)
+    index = json.loads((d / INDEX_FILE).read_text())
+    other = next(f for f in index["weight_map"].values() if f != norm_file)
+    index["weight_map"][NORM] = other
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    cases.append((d, rf"puts {NORM} in {other}, which lacks it"))
+    d = tmp_path / "fp8"
+    shutil.copytree(ok, d)
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    cases.append((d, r"quantization_config: quant_method 'fp8' is not supported"))
+    d = tmp_path / "no-weights"
+    d.mkdir()
+    cases.append((d, rf"no {INDEX_FILE} and no \*.safetensors files"))
+    for d, message in cases:
+        model = HybridModel(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(7.0)
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(model, d)
+        with pytest.raises(CheckpointError, match=message):
+            check_checkpoint(cfg, d)  # what serve checks before any rank starts
+        assert all(bool((p == 7.0).all()) for p in model.parameters()), d  # nothing was read
 
 
 def test_export_checkpoint_without_a_model_equals_the_seeded_model(tmp_path):
@@ -89,3 +170,14 @@ def test_export_checkpoint_without_a_model_equals_the_seeded_model(tmp_path):
         assert written[name].dtype in (torch.bfloat16, torch.float32), name
         assert torch.equal(a.float(), b.to(written[name].dtype).float()), name
     assert any(t.dtype == torch.bfloat16 for t in written.values())
+
+
+def test_mtp_drafter_tensors_are_passed_over_only_where_the_config_has_them(tmp_path):
+    cfg = preset("tiny", num_nextn_predict_layers=1)
+    tensors = full_state(build_model(cfg), seed=0)
+    drafter = {"model.layers.4.mlp.gate_proj.weight": torch.ones(2, 2)}  # layer 4 = the drafter
+    _sharded(tmp_path / "mtp", cfg, {**tensors, **drafter})
+    load_checkpoint(HybridModel(cfg), tmp_path / "mtp")
+    _sharded(tmp_path / "no-mtp", preset("tiny"), {**tensors, **drafter})
+    with pytest.raises(CheckpointError, match="e.g. model.layers.4.mlp.gate_proj.weight in"):
+        load_checkpoint(HybridModel(preset("tiny")), tmp_path / "no-mtp")

@@ -1,8 +1,9 @@
 """Weights: deterministic seeded initialization and HF-format safetensors checkpoints.
 
-Both produce the FULL tensor of each parameter (by its HF name) and slice it for this TP rank, so
-every TP size and every process computes the same model. Seeded values depend only on
-(seed, parameter name): a parameter's generator is seeded from a hash of both.
+Seeded init draws the FULL tensor of each parameter (by its HF name) and slices it for this TP
+rank; a checkpoint is read slice by slice (`pdserve.model.checkpoint`), each rank reading only
+its part. Either way every TP size and every process computes the same model. Seeded values
+depend only on (seed, parameter name): a parameter's generator is seeded from a hash of both.
 
 A checkpoint may ship a linear's `<name>.weight` as MXFP4 (`<name>.weight_packed` +
 `<name>.weight_scale`, `pdserve.model.mxfp4`), as K3 ships its routed experts; loading
@@ -14,14 +15,13 @@ import hashlib
 import json
 import math
 import re
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pdserve.model import mxfp4
+from pdserve.model.checkpoint import INDEX_FILE, Checkpoint
 from pdserve.model.parallel import shard_of
 
 WEIGHTS_FILE = "model.safetensors"
@@ -133,65 +133,67 @@ def mxfp4_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(directory: str | Path, config, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write `config.json` + `model.safetensors` (HF layout) into `directory`; MXFP4 tensors
-    among them add the `quantization_config` that says so."""
+def shard_names(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """The tensors in order, cut into shards of at most `max_shard_bytes` (a larger tensor
+    makes a shard of its own), as transformers' `save_pretrained` cuts them."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def save_checkpoint(directory: str | Path, config, tensors: dict[str, torch.Tensor],
+                    max_shard_bytes: int | None = None) -> Path:
+    """Write `config.json` + the weights (HF layout) into `directory`: `model.safetensors`, or
+    with `max_shard_bytes` the shards `model-0000k-of-0000n.safetensors` and
+    `model.safetensors.index.json`. MXFP4 tensors among them add the `quantization_config` that
+    says so."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     quant = (MXFP4_EXPERTS_QUANTIZATION if any(k.endswith(mxfp4.PACKED) for k in tensors)
              else None)
     (d / "config.json").write_text(json.dumps(hf_config_dict(config, quant), indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / WEIGHTS_FILE))
+    if max_shard_bytes is None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / WEIGHTS_FILE))
+        return d
+    shards = shard_names(tensors, max_shard_bytes)
+    weight_map = {}
+    for k, names in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names}, str(d / file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (d / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return d
 
 
-def _sources(name: str, where: dict[str, Path]) -> tuple[str, ...] | None:
-    """The checkpoint tensors parameter `name` is loaded from: itself, or its MXFP4 pair."""
-    if name in where:
-        return (name,)
-    if name.endswith(".weight"):
-        pair = (name[:-len("weight")] + mxfp4.PACKED, name[:-len("weight")] + mxfp4.SCALE)
-        if all(k in where for k in pair):
-            return pair
-    return None
+def load_checkpoint(model: torch.nn.Module, directory: str | Path) -> Checkpoint:
+    """Load every parameter from the checkpoint in `directory` (`pdserve.model.checkpoint`):
+    checked from the headers first, then each rank's slices read (MXFP4 weights dequantized to
+    the parameter's dtype). A directory that does not fit raises `CheckpointError` naming the
+    tensor and the file before anything is read."""
+    ckpt = Checkpoint(directory)
+    ckpt.load(model)
+    return ckpt
 
 
-def load_checkpoint(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load every parameter from the safetensors files in `directory`, slicing for this rank
-    (MXFP4 weights dequantized to the parameter's dtype).
+def check_checkpoint(config, directory: str | Path) -> None:
+    """Check the directory's tensors against the model of `config` (headers only; a
+    meta-device model gives the names and shapes), so a bad directory fails before any rank
+    starts."""
+    from pdserve.model.model import HybridModel
 
-    Missing or misshapen tensors raise with the parameter's name; unexpected ones are reported."""
-    d = Path(directory)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {d}")
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                where[key] = f
-    params = dict(model.named_parameters())
-    sources = {name: _sources(name, where) for name in params}
-    missing = sorted(name for name, src in sources.items() if src is None)
-    if missing:
-        raise KeyError(f"checkpoint {d} lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    unexpected = sorted(set(where) - {k for src in sources.values() for k in src})
-    if unexpected:
-        raise KeyError(f"checkpoint {d} has {len(unexpected)} tensors the model does not use, "
-                       f"e.g. {unexpected[:5]}")
-    with ExitStack() as stack:
-        opened = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
-        for name, p in params.items():
-            tensors = [opened[where[k]].get_tensor(k) for k in sources[name]]
-            try:
-                full = tensors[0] if len(tensors) == 1 else mxfp4.dequantize(*tensors)
-            except ValueError as exc:
-                raise ValueError(f"{name}: {exc}") from None
-            if tuple(full.shape) != p.full_shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model "
-                                 f"shape {p.full_shape}")
-            with torch.no_grad():  # bumps the parameter's version, unlike .data
-                p.copy_(shard_of(full, p.shard_dim, model.tp).to(p.dtype))
+    with torch.device("meta"):
+        model = HybridModel(config, None)
+    Checkpoint(directory).check(model)
 
 
 def export_checkpoint(directory: str | Path, config, seed: int = 0,
