@@ -24,6 +24,7 @@ from typing import Literal, get_args, get_type_hints
 import msgspec
 
 from pdserve.model.config import PRESETS, ConfigError, ModelConfig, load_model_config
+from pdserve.model.weights import check_checkpoint
 from pdserve.prefill.prefix_cache import PrefixCacheConfig
 from pdserve.prefill.scheduler import check_budget
 from pdserve.state.block_table import Topology
@@ -269,6 +270,11 @@ def validate(cfg: ServeConfig) -> ModelConfig:
     except ConfigError as exc:
         raise ConfigError(f"model.{exc.field}" if exc.field != "model" else "model.name",
                           str(exc).split(": ", 1)[1]) from None
+    if name not in PRESETS and Path(name).is_dir() and any(Path(name).glob("*.safetensors")):
+        try:  # the weights' headers against the model, before any rank starts
+            check_checkpoint(model, name)
+        except ValueError as exc:
+            raise ConfigError("model.name", str(exc)) from None
     pools = [("decode", cfg.decode.tp)] if cfg.monolithic else [("prefill", cfg.prefill.tp),
                                                                   ("decode", cfg.decode.tp)]
     for section, tp in pools:
