@@ -13,6 +13,10 @@ Entries a request uses or made are pinned (refcounted) until its state is releas
 are evicted least recently used, leaves first (a block whose successor is cached stays, or the
 successor could not be reached), to keep the cache within its byte bound and to make room in
 the pools for new requests. Where nothing can be evicted a request still prefills, uncached.
+
+The router keeps a `PrefixIndex` per prefill instance, a copy of which keys it holds and which
+of them have a checkpoint, fed by `PrefixCache.changes()`, so it can send a request where its
+longest prefix is cached without asking every instance.
 """
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ class PrefixCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     max_bytes: int = 0
     max_share: float = 0.5
     checkpoint_interval: int = 16
+    # the router sends a request to the instance holding its longest cached prefix unless that
+    # instance has more than this many prompt tokens queued (then the least loaded takes it)
+    route_max_queued_tokens: int = 8192
 
 
 @dataclass
@@ -58,14 +65,80 @@ class Hit(msgspec.Struct, frozen=True):
     keys: list[int] = []    # entries pinned for the request
 
 
+class PrefixChanges(msgspec.Struct, frozen=True):
+    """What a cache changed since its previous `changes()`: `entries` maps a key to whether it
+    now has a checkpoint, or to None where it was evicted; `full`: `entries` is the whole
+    cache (the first answer, or after more changes than were kept). `root` and `block` let the
+    reader key prompts as the cache does; `stats` is the cache's `stats()`."""
+
+    root: int
+    block: int
+    full: bool
+    entries: dict[int, bool | None]
+    stats: dict[str, int]
+
+
 def _block_bytes(tokens: list[int]) -> bytes:
     return np.asarray(tokens, dtype=np.int64).tobytes()
+
+
+def block_keys(root: int, block: int, prompt: list[int]) -> list[tuple[int, bytes]]:
+    """(key, token bytes) of each full block of `prompt`: xxh3-64 chained from `root`."""
+    out, key = [], root
+    for start in range(0, len(prompt) - block + 1, block):
+        data = _block_bytes(prompt[start:start + block])
+        key = xxhash.xxh3_64_intdigest(key.to_bytes(8, "little") + data)
+        out.append((key, data))
+    return out
+
+
+def resumable(pos: int, length: int) -> bool:
+    """Whether a prefill of `length` tokens can start from the state at `pos` with the bits of
+    a whole prefill: on a KDA chunk boundary, leaving no single token (the chunked prefill's
+    rule, `pdserve.prefill.scheduler`)."""
+    return pos % UNIT == 0 and length - pos >= 2
+
+
+class PrefixIndex:
+    """Which blocks a prefill instance's cache holds, as its `changes()` report them (the
+    router's copy): `match` is the hit that instance would give a prompt, as far as the last
+    report says (an eviction since makes it a smaller hit there, never a wrong one)."""
+
+    def __init__(self):
+        self.root = self.block = 0
+        self.entries: dict[int, bool] = {}  # key -> has a checkpoint
+        self.stats: dict[str, int] = {}
+
+    def apply(self, ch: PrefixChanges) -> None:
+        # a full answer builds a new dict: a reader in another thread sees the old or the new
+        entries = {} if ch.full else self.entries
+        for key, checkpoint in ch.entries.items():
+            if checkpoint is None:
+                entries.pop(key, None)
+            else:
+                entries[key] = checkpoint
+        self.root, self.block, self.entries, self.stats = ch.root, ch.block, entries, ch.stats
+
+    def match(self, prompt: list[int]) -> int:
+        """Prompt tokens the instance's cache would give `prompt`."""
+        if not self.block:
+            return 0
+        best = 0
+        for i, (key, _) in enumerate(block_keys(self.root, self.block, prompt), 1):
+            checkpoint = self.entries.get(key)
+            if checkpoint is None:
+                break
+            if checkpoint and resumable(i * self.block, len(prompt)):
+                best = i * self.block
+        return best
 
 
 class PrefixCache:
     """`max_bytes`: the most state (latent pages + checkpoint slots) the cache holds;
     `interval`: a checkpoint every this many blocks, besides the one at each prompt's last full
     block."""
+
+    LOG_SLACK = 1024  # changes kept for the reader beyond twice the entries
 
     def __init__(self, pools: StatePools, fingerprint: str, max_bytes: int, interval: int):
         if interval < 1:
@@ -78,23 +151,16 @@ class PrefixCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.RLock()
         self.bytes = 0
-        self.counts = {"hits": 0, "misses": 0, "cached_tokens": 0, "evictions": 0}
+        # tokens_saved: prompt tokens that hits kept from being prefilled
+        self.counts = {"hits": 0, "misses": 0, "tokens_saved": 0, "evictions": 0}
+        # entries changed since the last `changes()` (None: evicted); `_full`: report them all
+        self._changed: dict[int, bool | None] = {}
+        self._full = True
 
     # -- keys and positions -----------------------------------------------------------------
     def keys(self, prompt: list[int]) -> list[tuple[int, bytes]]:
         """(key, token bytes) of each full block of `prompt`."""
-        out, key = [], self._root
-        for start in range(0, len(prompt) - self.block + 1, self.block):
-            data = _block_bytes(prompt[start:start + self.block])
-            key = xxhash.xxh3_64_intdigest(key.to_bytes(8, "little") + data)
-            out.append((key, data))
-        return out
-
-    def resumable(self, pos: int, length: int) -> bool:
-        """Whether a prefill of `length` tokens can start from the state at `pos` with the
-        bits of a whole prefill: on a KDA chunk boundary, leaving no single token (the chunked
-        prefill's rule, `pdserve.prefill.scheduler`)."""
-        return pos % UNIT == 0 and length - pos >= 2
+        return block_keys(self._root, self.block, prompt)
 
     def stops(self, length: int, start: int) -> list[int]:
         """The positions after `start` where a prompt of `length` tokens takes checkpoints:
@@ -103,7 +169,7 @@ class PrefixCache:
         full = length // self.block
         ends = [b * self.block for b in range(1, full + 1) if b % self.interval == 0 or b == full]
         return [p for p in ends if p > start and p % UNIT == 0
-                and (p == length or self.resumable(p, length))]
+                and (p == length or resumable(p, length))]
 
     # -- requests ---------------------------------------------------------------------------
     def acquire(self, prompt: list[int]) -> Hit:
@@ -117,7 +183,7 @@ class PrefixCache:
                 chain.append(key)
             k = len(chain)
             while k and not (self._entries[chain[k - 1]].slot
-                             and self.resumable(k * self.block, len(prompt))):
+                             and resumable(k * self.block, len(prompt))):
                 k -= 1
             if not k:
                 self.counts["misses"] += 1
@@ -127,7 +193,7 @@ class PrefixCache:
                 self._entries[key].refs += 1
                 self._entries.move_to_end(key)
             self.counts["hits"] += 1
-            self.counts["cached_tokens"] += k * self.block
+            self.counts["tokens_saved"] += k * self.block
             return Hit(k * self.block, [self._entries[key].page for key in keys],
                        self._entries[keys[-1]].slot, keys)
 
@@ -148,6 +214,10 @@ class PrefixCache:
                 if e is not None:
                     if e.tokens != data:
                         break
+                    # pinned as a hit's: evicting it to make room would orphan the next block
+                    e.refs += 1
+                    self._entries.move_to_end(key)
+                    keys.append(key)
                     parent = key
                     continue
                 slot = checkpoints.get((i + 1) * self.block, 0)
@@ -155,6 +225,7 @@ class PrefixCache:
                 if not self._evict_until(lambda: self.bytes + need <= self.max_bytes):
                     break
                 self._entries[key] = _Entry(parent, data, pages[i], slot, refs=1)
+                self._note(key, bool(slot))
                 if parent is not None:
                     self._entries[parent].children += 1
                 self.bytes += need
@@ -190,6 +261,7 @@ class PrefixCache:
 
     def _evict(self, key: int) -> None:
         e = self._entries.pop(key)
+        self._note(key, None)
         if e.parent is not None:
             self._entries[e.parent].children -= 1
         self.pools.latent.free([e.page])
@@ -199,8 +271,28 @@ class PrefixCache:
             self.bytes -= self.slot_bytes
         self.counts["evictions"] += 1
 
+    # -- what the router sees ---------------------------------------------------------------
+    def _note(self, key: int, checkpoint: bool | None) -> None:
+        # a reader that stopped asking costs a bounded log: past the entries themselves it is
+        # cheaper to send them all
+        if not self._full:
+            self._changed[key] = checkpoint
+            if len(self._changed) > 2 * len(self._entries) + self.LOG_SLACK:
+                self._full, self._changed = True, {}
+
+    def changes(self) -> PrefixChanges:
+        """What changed since the last call (the first call, and one after the log overflowed:
+        everything). One reader: the router, through rank 0."""
+        with self._lock:
+            full = self._full
+            entries = ({k: bool(e.slot) for k, e in self._entries.items()} if full
+                       else self._changed)
+            self._changed, self._full = {}, False
+            return PrefixChanges(self._root, self.block, full, entries, self.stats())
+
     def stats(self) -> dict:
         with self._lock:
             return {f"prefix_{k}": v for k, v in self.counts.items()} | {
                 "prefix_entries": len(self._entries), "prefix_bytes": self.bytes,
+                "prefix_cached_tokens": len(self._entries) * self.block,
                 "prefix_checkpoints": sum(1 for e in self._entries.values() if e.slot)}
