@@ -34,7 +34,7 @@ from pdserve.transfer.regions import RegionTable
 from pdserve.transfer.source import SourceRank
 
 from pdserve.prefill.handle import StateHandle
-from pdserve.prefill.prefix_cache import Hit, PrefixCache, PrefixCacheConfig
+from pdserve.prefill.prefix_cache import Hit, PrefixCache, PrefixCacheConfig, PrefixChanges
 from pdserve.prefill.scheduler import ChunkScheduler
 
 
@@ -211,6 +211,11 @@ class PrefillRank:
     def poll(self) -> list[tuple[str, str]]:
         """Free state that every destination rank has read, or whose lease expired."""
         return self.source.poll()
+
+    def prefix_changes(self) -> PrefixChanges | None:
+        """What this rank's prefix cache changed since the last call (None: no cache), for
+        the router's index of where prefixes are cached."""
+        return self.cache.changes() if self.cache else None
 
     def digests(self, request_id: str, runs) -> list[int]:
         return self.source.digests(request_id, runs)
