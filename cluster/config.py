@@ -218,6 +218,9 @@ def validate(cfg: ServeConfig) -> ModelConfig:
     if pc.checkpoint_interval < 1:
         raise ConfigError("prefill.prefix_cache.checkpoint_interval",
                           f"must be >= 1 block, got {pc.checkpoint_interval}")
+    if pc.route_max_queued_tokens < 0:
+        raise ConfigError("prefill.prefix_cache.route_max_queued_tokens",
+                          f"must be >= 0 prompt tokens, got {pc.route_max_queued_tokens}")
     if not 0 < cfg.api.port < 65536:
         raise ConfigError("api.port", f"must be in 1..65535, got {cfg.api.port}")
     for field in DTYPE_FIELDS:
