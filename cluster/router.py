@@ -1,8 +1,9 @@
 """The router: the API's `GenerationBackend` over Ray prefill and decode instances, or over
 monolithic instances.
 
-Per request (docs/design.md §2): pick a prefill instance (least queued prompt tokens), prefill there
-(first token + state handle), pick a decode instance (most free pages, then least running), pull
+Per request (docs/design.md §2): pick a prefill instance (the one whose prefix cache holds the
+longest prefix of the prompt, unless its queue is past a bound; else the least queued prompt
+tokens), prefill there (first token + state handle), pick a decode instance (most free pages, then least running), pull
 the state into it and stream its tokens. In monolithic mode (no prefill instances) the picked
 instance prefills the request itself and streams every token, the same way. Failures are handled
 here, decided on the exception's type (a rank's exception reaches the router as itself, out of
@@ -37,6 +38,7 @@ from pdserve.api.backend import BackendUnavailable
 from pdserve.decode.batcher import BadRequest, DeadlineExceeded, Overloaded, TokenEvent
 from pdserve.model.sampling import Request
 from pdserve.prefill.engine import PrefillResult
+from pdserve.prefill.prefix_cache import PrefixIndex
 from pdserve.state.pools import PoolExhausted
 from pdserve.transfer.errors import TransferError
 
@@ -86,7 +88,11 @@ class PrefillQueue:
     any request is in progress there. A reference instance with a step budget prefills in
     chunks, each call one step (`pdserve.prefill.scheduler`), so a request that arrives while a
     long prompt prefills joins at the next step; an instance without one (or a vLLM engine)
-    finishes each call's requests within it."""
+    finishes each call's requests within it.
+
+    `index`: which prefixes the instance's prefix cache holds, refreshed after every call that
+    finished a request (before its result is handed on, so the next request is routed by it);
+    None for an instance without one (a vLLM engine, a cache turned off)."""
 
     def __init__(self, inst: Instance, max_batch: int = 16, idle_threads: int = 0,
                  decode_idle=lambda: False):
@@ -96,6 +102,7 @@ class PrefillQueue:
         self.idle_threads, self.decode_idle = idle_threads, decode_idle
         self.pending_tokens = 0
         self.steps = 0  # prefill calls made (steps, when chunked)
+        self.index: PrefixIndex | None = None if inst.engine else PrefixIndex()
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"prefill-{inst.name}")
         self._thread.start()
@@ -112,6 +119,26 @@ class PrefillQueue:
     def close(self) -> None:
         """Stop taking requests; those already queued or in progress still finish."""
         self._q.put(None)
+
+    def cached(self, prompt: list[int]) -> int:
+        """Prompt tokens of `prompt` the instance's prefix cache would spare, by its index."""
+        return 0 if self.index is None else self.index.match(prompt)
+
+    def _sync_index(self) -> None:
+        """Apply what the ranks' prefix caches changed (rank 0's: the ranks decide alike; each
+        rank drains its own log)."""
+        try:
+            changes = self.inst.ranks.call("prefix_changes")[0]
+        except InstanceLost:
+            raise  # the instance is gone: its requests go elsewhere
+        except Exception:  # the index only steers routing: without it, hits go, not requests
+            log.exception("%s cannot say what its prefix cache holds: routing by load only",
+                          self.inst.name)
+            changes = None
+        if changes is None:
+            self.index = None
+        else:
+            self.index.apply(changes)
 
     def _take(self, wait: bool) -> tuple[list, bool]:
         """Up to `max_batch` queued requests (waiting for one if `wait`), and whether `close`
@@ -144,7 +171,10 @@ class PrefillQueue:
                 per_rank = self.inst.ranks.call("prefill", [r for r, _ in new], self.inst.agents,
                                                 threads)
                 self.steps += 1
-                for res in _agreed(self.inst.name, per_rank):
+                results = _agreed(self.inst.name, per_rank)
+                if results and self.index is not None:
+                    self._sync_index()
+                for res in results:
                     req, fut = running.pop(res.request_id)
                     self.pending_tokens -= len(req.prompt)
                     fut.set_result(res)
@@ -162,6 +192,23 @@ class PrefillQueue:
                     self.pending_tokens -= len(req.prompt)
                     fut.set_exception(exc)
                 running.clear()
+
+
+def pick_prefill(queues: list[PrefillQueue], hits: list[int], bound: int) -> PrefillQueue:
+    """The queue whose instance caches the longest prefix (`hits`: prompt tokens each would
+    spare; the least loaded of equals), unless more than `bound` prompt tokens are queued
+    there: then, as with no hit anywhere, the least loaded one."""
+    least = min(queues, key=lambda q: q.pending_tokens)
+    best = max(range(len(queues)), key=lambda i: (hits[i], -queues[i].pending_tokens))
+    if hits[best] and queues[best].pending_tokens <= bound:
+        return queues[best]
+    return least
+
+
+# running totals of the prefill instances' prefix caches (summed, kept across rebuilds) and
+# what they hold now (summed over live instances)
+PREFIX_COUNTERS = ("prefix_hits", "prefix_misses", "prefix_tokens_saved", "prefix_evictions")
+PREFIX_GAUGES = ("prefix_entries", "prefix_checkpoints", "prefix_cached_tokens", "prefix_bytes")
 
 
 def _state_ids(res):
@@ -298,16 +345,20 @@ class Rebuild(Protocol):
 class Router:
     """`prefill` empty: `decode` holds monolithic instances (their ranks prefill locally),
     which take the `Request` itself and prefill it. With `rebuild`, an instance found dead is
-    torn down and replaced by its next generation while the others serve (`_heal_loop`)."""
+    torn down and replaced by its next generation while the others serve (`_heal_loop`).
+    `route_max_queued_tokens`: the queue past which a prefill instance that caches a request's
+    prefix no longer gets it for that (`pick_prefill`)."""
 
     def __init__(self, model_name: str, max_context: int, prefill: list[Instance],
                  decode: list[DecodeSlot], max_queue: int = 256, prefill_idle_threads: int = 0,
-                 rebuild: Rebuild | None = None):
+                 rebuild: Rebuild | None = None, route_max_queued_tokens: int = 8192):
         self.model_name, self.max_context = model_name, max_context
         self.monolithic = not prefill
         self.kind = "monolithic" if self.monolithic else "decode"  # for messages
         self.idle_threads = prefill_idle_threads
+        self.route_max_queued_tokens = route_max_queued_tokens
         self.prefill = [self._queue(p) for p in prefill]
+        self._prefix_retired: dict[str, int] = {}  # counters of prefill instances rebuilt
         self.decode = decode
         self.configured = {"prefill": len(prefill), self.kind: len(decode)}
         self.max_queue = max_queue
@@ -490,7 +541,20 @@ class Router:
             for k, v in d.stats.items():
                 if k.startswith("transfer"):
                     out[k] = out.get(k, 0) + v
-        return out
+        return out | self._prefix_stats()
+
+    def _prefix_stats(self) -> dict[str, float]:
+        """The prefill instances' prefix caches together (none without a cache); a rebuilt
+        instance's counters stay in the totals, its entries are gone with it."""
+        caches = [(p.inst.alive, p.index.stats) for p in self.prefill
+                  if p.index is not None and p.index.stats]
+        if not caches and not self._prefix_retired:
+            return {}
+        out = {k: self._prefix_retired.get(k, 0) + sum(st.get(k, 0) for _, st in caches)
+               for k in PREFIX_COUNTERS}
+        out |= {k: sum(st.get(k, 0) for alive, st in caches if alive) for k in PREFIX_GAUGES}
+        looked = out["prefix_hits"] + out["prefix_misses"]
+        return out | {"prefix_hit_rate": out["prefix_hits"] / looked if looked else 0.0}
 
     def capacity(self) -> dict[str, dict[str, int]]:
         """Live and configured instances per kind, and how many were rebuilt."""
@@ -540,7 +604,7 @@ class Router:
 
     # -- helpers ----------------------------------------------------------------------------
     async def _prefill(self, request: Request, end: float | None, full_wait_s: float = 30.0):
-        """Prefill on the least loaded live instance; another one if it dies. A full instance
+        """Prefill on the live instance `pick_prefill` chooses; another one if it dies. A full instance
         (state held until decode reads it) is backpressure: wait and retry, then 429."""
         tried = set()
         give_up = time.monotonic() + full_wait_s
@@ -548,7 +612,8 @@ class Router:
             live = [p for p in self.prefill if p.inst.alive and p.inst.name not in tried]
             if not live:
                 raise BackendUnavailable("no live prefill instance")
-            q = min(live, key=lambda p: p.pending_tokens)
+            q = pick_prefill(live, [p.cached(request.prompt) for p in live],
+                             self.route_max_queued_tokens)
             tried.add(q.inst.name)
             fut = q.submit(request)
             timeout = None if end is None else max(end - time.monotonic(), 0.01)
@@ -624,6 +689,10 @@ class Router:
             (new if kind == "prefill" else new.inst).kill()
             return
         old_item.close()
+        if kind == "prefill" and old_item.index is not None:  # its cache is lost, not its counts
+            for k in PREFIX_COUNTERS:
+                self._prefix_retired[k] = (self._prefix_retired.get(k, 0)
+                                           + old_item.index.stats.get(k, 0))
         self.restarts[kind] += 1
         log.warning("%s instance %s is back (generation %d)", kind, old.name,
                     old.generation + 1)
