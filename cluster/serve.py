@@ -225,7 +225,8 @@ def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Inst
         p.ranks.call("connect", agents)
     slots = [decode_slot(cfg, model, d, prefill) for d in decode]
     return Router(cfg.model.name, max_context(cfg), prefill, slots, cfg.api.max_queue,
-                  cfg.resources.prefill_idle_threads, build)
+                  cfg.resources.prefill_idle_threads, build,
+                  cfg.prefill.prefix_cache.route_max_queued_tokens)
 
 
 def assemble_local(cfg: ServeConfig, model, prefill_engines: list, decode_ranks: list) -> Router:
