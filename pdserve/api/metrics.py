@@ -2,7 +2,8 @@
 so several apps in one process, as in tests, do not collide).
 
 Latencies and outcomes are recorded by the HTTP layer; everything the backend knows (queue
-depths, transfer bytes and seconds by state kind, transfer failures) is read from
+depths, transfer bytes and seconds by state kind, transfer failures, the prefill instances'
+prefix caches) is read from
 `backend.stats()` at scrape time, so it is never stale and the backend needs no Prometheus code.
 """
 from __future__ import annotations
@@ -75,14 +76,29 @@ class RequestTrack:
 
 _TRANSFER = re.compile(r"transfer_(bytes|seconds)_(\w+)")
 _RESTARTS = re.compile(r"restarts_(\w+)")
+# the prefill instances' prefix caches (`Router.stats`): running totals, then what they hold now
+_PREFIX_COUNTERS = {
+    "prefix_hits": "Prompts whose first blocks were found in a prefill prefix cache",
+    "prefix_misses": "Prompts looked up in a prefill prefix cache and not found",
+    "prefix_tokens_saved": "Prompt tokens not prefilled because a prefix cache held them",
+    "prefix_evictions": "Prefix cache entries (blocks) evicted",
+}
+_PREFIX_GAUGES = {
+    "prefix_hit_rate": "Prefix cache hits / lookups since start",
+    "prefix_cached_tokens": "Prompt tokens the prefix caches hold (full blocks)",
+    "prefix_entries": "Blocks the prefix caches hold",
+    "prefix_checkpoints": "KDA checkpoints the prefix caches hold",
+    "prefix_bytes": "State bytes the prefix caches hold (latent pages and checkpoints)",
+}
 
 
 class _BackendStats:
     """Exports `backend.stats()` at every scrape: `transfer_bytes_<kind>` and
     `transfer_seconds_<kind>` as counters labelled by kind, `transfer_failures` as a counter,
     `restarts_<kind>` (instances rebuilt after a rank died) as the counter
-    `pdserve_instance_restarts` labelled by kind (they are running totals), every other key as
-    a gauge `pdserve_backend_<key>`."""
+    `pdserve_instance_restarts` labelled by kind (they are running totals), the prefix caches'
+    `prefix_<name>` as `pdserve_prefix_cache_<name>` (hits, misses, tokens saved and evictions
+    counters, the rest gauges), every other key as a gauge `pdserve_backend_<key>`."""
 
     def __init__(self, backend) -> None:
         self._backend = backend
@@ -100,6 +116,12 @@ class _BackendStats:
                 transfer[m[1]].add_metric([m[2]], value)
             elif m := _RESTARTS.fullmatch(key):
                 restarts.add_metric([m[1]], value)
+            elif key in _PREFIX_COUNTERS:
+                yield CounterMetricFamily(f"pdserve_prefix_cache_{key[7:]}",
+                                          _PREFIX_COUNTERS[key], value=value)
+            elif key in _PREFIX_GAUGES:
+                yield GaugeMetricFamily(f"pdserve_prefix_cache_{key[7:]}", _PREFIX_GAUGES[key],
+                                        value=value)
             elif key == "transfer_failures":
                 yield CounterMetricFamily("pdserve_transfer_failures", "Failed state transfers",
                                           value=value)
