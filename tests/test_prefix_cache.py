@@ -4,17 +4,24 @@ tokens decoded after), greedy and seeded, for hits of no, some and all full bloc
 never frees an entry in use, and a cache full of pinned entries leaves new requests uncached
 rather than refused; through `pdserve serve` on real Ray and NIXL, turn 2 of a conversation
 hits on turn 1's prompt at concurrency 1."""
+import asyncio
+import re
+from types import SimpleNamespace
+
 import httpx
 import msgspec
 import pytest
+import ray
 import torch
 
+from pdserve.cluster.router import pick_prefill
 from pdserve.cluster.config import ConfigError, ServeConfig, load_serve_config, validate
 from pdserve.cluster.serve import running_server
 from pdserve.model.config import preset
+from pdserve.model.generate import ReferenceEngine, build_model
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.prefill.engine import PrefillRank
-from pdserve.prefill.prefix_cache import PrefixCacheConfig
+from pdserve.prefill.prefix_cache import PrefixCacheConfig, PrefixIndex
 from pdserve.prefill.scheduler import ChunkScheduler
 
 from ports import free_port
@@ -40,6 +47,12 @@ CASES = [
     ("other", A + R2, 192),                   # the same prefix, another continuation
     ("turn-3", A + R + tokens(30, 6), 256),   # "continued"'s fourth block was cached too
 ]
+
+
+def monolithic(text, max_tokens=4):
+    """The reference generate loop's greedy tokens for `text` (byte-level `tiny`)."""
+    eng = ReferenceEngine(build_model(preset("tiny"), seed=0))
+    return eng.generate([list(text.encode())], SamplingParams(max_tokens=max_tokens))[0].output
 
 
 def rank(cache, **kw):
@@ -78,9 +91,9 @@ def test_a_prefix_hit_gives_the_bits_of_an_uncached_prefill(params, budget):
     plain = rank(None, chunk_tokens=64)
     assert "prefix_hits" not in plain.stats()
     for name, prompt, hit in CASES:
-        before = cached.stats()["prefix_cached_tokens"]
+        before = cached.stats()["prefix_tokens_saved"]
         got, want = prefill(cached, name, prompt, params), prefill(plain, name, prompt, params)
-        assert cached.stats()["prefix_cached_tokens"] - before == hit, name
+        assert cached.stats()["prefix_tokens_saved"] - before == hit, name
         assert got[0] == want[0], name
         for what, a, b in zip(("latent", "recurrent", "conv"), got[1], want[1]):
             assert torch.equal(a, b), f"{name}: {what} state differs"
@@ -136,7 +149,7 @@ def test_a_hit_cancelled_mid_prefill_frees_its_own_state_only():
     assert r.engine.pools.slots.num_free == base["slots_free"] - 2  # running slot + at 256
     assert r.cancel("b")
     st = r.stats()
-    assert (st["prefix_hits"], st["prefix_cached_tokens"]) == (1, 192)
+    assert (st["prefix_hits"], st["prefix_tokens_saved"]) == (1, 192)
     assert {k: st[k] for k in ("pages_free", "slots_free", "prefix_entries")} == {
         k: base[k] for k in ("pages_free", "slots_free", "prefix_entries")}
     assert all(e.refs == 0 for e in r.cache._entries.values())
@@ -162,7 +175,7 @@ def test_a_cache_full_of_pinned_entries_leaves_new_requests_uncached():
     assert torch.equal(r.engine.pools.latent.data[:, sorted(xs)], x_rows)
     r.cancel("y")
     prefill(r, "y2", y, p)  # y was never cached: a miss
-    assert r.stats()["prefix_cached_tokens"] == 0
+    assert r.stats()["prefix_tokens_saved"] == 0
     r.cancel("y2")
     r.cancel("x")  # unpinned now: the next request's blocks evict them
     prefill(r, "z", z, p)
@@ -199,11 +212,64 @@ def test_pool_pressure_evicts_unpinned_entries_only():
     r.close()
 
 
+def would_hit(cache, prompt):
+    hit = cache.acquire(prompt)
+    cache.release(hit.keys)
+    return hit.tokens
+
+
+def test_the_routers_index_gives_the_hit_the_cache_would_give():
+    """`PrefixIndex` fed with `prefix_changes()` after each prefill finds what the cache's own
+    lookup finds, through inserts and evictions, and after a log that overflowed."""
+    r = rank(PrefixCacheConfig(checkpoint_interval=2))
+    r.cache.max_bytes = 5 * entry_bytes(r)  # new prompts' blocks evict older ones
+    index = PrefixIndex()
+    first = r.prefix_changes()
+    assert first.full and first.entries == {}  # the first answer: the whole (empty) cache
+    index.apply(first)
+    probes = [A, A[:193], A[:130], A + R, A + R2, A + R + R2, tokens(64, 22)]
+
+    def run(rid, prompt):
+        [res] = r.prefill([Request(rid, prompt, SamplingParams(max_tokens=8))], [r.info()])
+        assert res.error is None, res.error
+        r.cancel(rid)
+
+    def check(ch):
+        index.apply(ch)
+        assert index.stats == r.cache.stats()
+        assert index.entries == {k: bool(e.slot) for k, e in r.cache._entries.items()}
+        return [index.match(q) for q in probes]
+
+    for i, prompt in enumerate([A, A + R, tokens(300, 20), A + R2, A + R + R2]):
+        run(f"q{i}", prompt)
+        ch = r.prefix_changes()
+        assert not ch.full
+        assert check(ch) == [would_hit(r.cache, q) for q in probes], i
+    assert r.stats()["prefix_evictions"] > 0 and any(check(r.prefix_changes()))
+    r.cache.LOG_SLACK = 0  # a reader that does not ask: past its bound the log becomes "all"
+    for i in range(4):
+        run(f"x{i}", tokens(300, 30 + i))
+    ch = r.prefix_changes()
+    assert ch.full and len(ch.entries) == r.stats()["prefix_entries"]
+    assert check(ch) == [would_hit(r.cache, q) for q in probes]
+    r.close()
+
+
+def test_routing_prefers_the_longest_cached_prefix_within_the_queue_bound():
+    q = [SimpleNamespace(pending_tokens=n) for n in (300, 0, 100, 50)]
+    assert pick_prefill(q, [0, 0, 0, 0], 1000) is q[1]  # no hit: the least loaded
+    assert pick_prefill(q, [128, 0, 256, 0], 1000) is q[2]  # the longest hit
+    assert pick_prefill(q, [256, 0, 256, 0], 1000) is q[2]  # of equals, the least loaded
+    assert pick_prefill(q, [128, 0, 256, 0], 100) is q[2]  # at the bound: still
+    assert pick_prefill(q, [128, 0, 256, 0], 99) is q[1]  # past it: the least loaded
+    assert pick_prefill(q, [0, 64, 0, 0], 0) is q[1]
+
+
 def test_the_prefix_cache_table_is_validated_and_named(tmp_path):
     cfg = ServeConfig()
     assert cfg.prefill.prefix_cache.enabled  # on by default
     for field, bad in (("max_bytes", -1), ("max_share", 0.0), ("max_share", 1.5),
-                       ("checkpoint_interval", 0)):
+                       ("checkpoint_interval", 0), ("route_max_queued_tokens", -1)):
         pc = msgspec.structs.replace(cfg.prefill.prefix_cache, **{field: bad})
         with pytest.raises(ConfigError, match=rf"prefill\.prefix_cache\.{field}"):
             validate(msgspec.structs.replace(
@@ -217,31 +283,101 @@ def test_the_prefix_cache_table_is_validated_and_named(tmp_path):
         load_serve_config(path)
 
 
-def test_turn_two_of_a_conversation_hits_through_pdserve_serve(ray_session):
-    """At concurrency 1 on a cold cache: turn 1 leaves a checkpoint at its prompt's last full
-    block, so turn 2 (turn 1's prompt + its answer + a new question) prefills from there."""
+@pytest.fixture(scope="module")
+def served(ray_session):
+    """`pdserve serve` on real Ray and NIXL: two prefill instances (a dead one stays dead:
+    the last test kills one), one decode instance."""
     cfg = ServeConfig()
     cfg = msgspec.structs.replace(
-        cfg, api=msgspec.structs.replace(cfg.api, port=free_port(), request_timeout_s=120),
-        resources=msgspec.structs.replace(cfg.resources, cpus_per_rank=0.25, call_timeout_s=60))
-    model = validate(cfg)
+        cfg, prefill=msgspec.structs.replace(cfg.prefill, instances=2),
+        api=msgspec.structs.replace(cfg.api, port=free_port(), request_timeout_s=120),
+        resources=msgspec.structs.replace(cfg.resources, cpus_per_rank=0.25, call_timeout_s=60,
+                                          rebuild=False))
+    with running_server(cfg, validate(cfg), progress=lambda m: None) as (url, router):
+        yield url, router
+
+
+def complete(url, prompt, max_tokens=6):
+    """(text, token ids) of a greedy completion."""
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["text"], choice["token_ids"]
+
+
+def prefix_stats(router):
+    """Each live prefill instance's cache counters, by instance name."""
+    return {p.inst.name: p.inst.ranks.call("stats")[0] for p in router.prefill if p.inst.alive}
+
+
+def test_turn_two_of_a_conversation_hits_through_pdserve_serve(served):
+    """At concurrency 1 on a cold cache: turn 1 leaves a checkpoint at its prompt's last full
+    block, so turn 2 (turn 1's prompt + its answer + a new question) prefills from there, on
+    the instance that holds it."""
+    url, router = served
     turn1 = "You are a careful assistant. Tools: search(q), read(url). " * 3  # 180 bytes
+    answer, _ = complete(url, turn1)
+    [(name, st)] = [(n, st) for n, st in prefix_stats(router).items() if st["prefix_misses"]]
+    assert (st["prefix_hits"], st["prefix_misses"], st["prefix_entries"]) == (0, 1, 2)
+    assert st["prefix_checkpoints"] == 1  # at 128, turn 1's last full block
+    complete(url, turn1 + answer + " Now read the first result.")
+    st = prefix_stats(router)[name]
+    assert (st["prefix_hits"], st["prefix_misses"]) == (1, 1)
+    assert st["prefix_tokens_saved"] == 128
 
-    def complete(url, prompt):
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0})
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
 
-    with running_server(cfg, model, progress=lambda m: None) as (url, router):
-        def stats():
-            [st] = router.prefill[0].inst.ranks.call("stats")
-            return st
-        answer = complete(url, turn1)
-        st = stats()
-        assert (st["prefix_hits"], st["prefix_misses"], st["prefix_entries"]) == (0, 1, 2)
-        assert st["prefix_checkpoints"] == 1  # at 128, turn 1's last full block
-        complete(url, turn1 + answer + " Now read the first result.")
-        st = stats()
-        assert (st["prefix_hits"], st["prefix_misses"]) == (1, 1)
-        assert st["prefix_cached_tokens"] == 128
+def metrics(url):
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {m[1]: float(m[2]) for m in re.finditer(
+        r"^pdserve_prefix_cache_(\w+) (\S+)$", text, re.M)}
+
+
+def test_requests_go_where_their_prefix_is_cached_and_survive_its_loss(served):
+    """Two prompts prefilled at once land on the two instances; their follow-ups go where
+    their prefix is cached, not to the first idle instance; /metrics counts the hits. The
+    instance holding one prefix dies: its requests are prefilled on the other (the same
+    tokens), which then caches that prefix too; the counters keep the dead one's."""
+    url, router = served
+    before = metrics(url)
+    a, b = "Tool schema: " + "x" * 187, "System prompt: " + "y" * 185  # 200 bytes: 3 blocks
+    want = {p: monolithic(p) for p in (a, b, a + " go on", b + " go on", a + " again")}
+    counts = {n: (st["prefix_hits"], st["prefix_misses"]) for n, st in prefix_stats(router).items()}
+
+    async def both():  # picked one after the other, before either finished: one per instance
+        async def one(rid, prompt):
+            req = Request(rid, list(prompt.encode()), SamplingParams(max_tokens=4))
+            return [e.token async for e in router.generate(req, 60) if e.token is not None]
+        return await asyncio.gather(one("a", a), one("b", b))
+    assert asyncio.run(both()) == [want[a][:4], want[b][:4]]
+    home = {}
+    for name, st in prefix_stats(router).items():
+        assert st["prefix_misses"] == counts[name][1] + 1
+        home[name] = st
+    p0, p1 = router.prefill[0].inst.name, router.prefill[1].inst.name
+    # the second instance holds b: b's follow-up goes there though the first is idle too
+    for prompt in (b + " go on", a + " go on"):
+        assert complete(url, prompt, 4)[1] == want[prompt][:4]
+    st = prefix_stats(router)
+    assert [st[n]["prefix_hits"] - home[n]["prefix_hits"] for n in (p0, p1)] == [1, 1]
+    got = metrics(url)
+    assert got["hits_total"] - before.get("hits_total", 0) == 2
+    assert got["misses_total"] - before.get("misses_total", 0) == 2
+    assert got["tokens_saved_total"] - before.get("tokens_saved_total", 0) == 2 * 192
+    assert got["cached_tokens"] == 64 * sum(s["prefix_entries"] for s in st.values())
+    assert got["hit_rate"] == got["hits_total"] / (got["hits_total"] + got["misses_total"])
+    # the instance that holds a dies: a's requests are prefilled on the other, b's still hit
+    held = st[p0]["prefix_entries"]
+    for actor in router.prefill[0].inst.ranks.actors:
+        ray.kill(actor)
+    for prompt in (a + " again", b + " go on", a + " again"):
+        assert complete(url, prompt, 4)[1] == want[prompt][:4]
+    assert not router.prefill[0].inst.alive
+    st1 = prefix_stats(router)[p1]
+    assert st1["prefix_hits"] - st[p1]["prefix_hits"] == 2  # b's, then a's second
+    assert st1["prefix_misses"] - st[p1]["prefix_misses"] == 1  # a's first: p0's cache is gone
+    after = metrics(url)
+    assert after["hits_total"] - got["hits_total"] == 2  # p0's earlier hits still counted
+    assert after["misses_total"] - got["misses_total"] == 1
+    assert after["entries"] == st1["prefix_entries"] and held  # p0's entries went with it
