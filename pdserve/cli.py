@@ -89,9 +89,43 @@ def _serve_config(args):
     return cfg, model
 
 
+def _pool_capacity(cfg, context_tokens: int | None, output_tokens: int) -> str:
+    """What the config's decode instance admits (`capacity.pool_capacity`); a request of the
+    API's whole context unless `context_tokens` is given."""
+    from pdserve.cluster.serve import max_context
+    from pdserve.decode.capacity import format_pool, pool_capacity
+    from pdserve.state.block_table import Topology
+
+    d = cfg.decode
+    topo = Topology(d.tp, d.dcp, d.interleave)
+    if context_tokens is None:
+        context_tokens, output_tokens = max_context(cfg) - output_tokens, output_tokens
+    # a transfer stages conv state when the TPs or the conv layouts differ (planner.conv_staging)
+    staging = not cfg.monolithic and (cfg.prefill.tp != d.tp
+                                      or cfg.prefill.conv_layout != d.conv_layout)
+    cap = pool_capacity(d.num_pages, d.num_slots, min(d.max_batch, d.num_slots - 1), topo,
+                        cfg.state.page_tokens, context_tokens, output_tokens, staging)
+    return format_pool(cap, topo)
+
+
 def cmd_check(args) -> int:
-    _serve_config(args)
+    cfg, _ = _serve_config(args)
+    print(_pool_capacity(cfg, args.context_tokens, args.output_tokens))
     print("config OK")
+    return 0
+
+
+def cmd_capacity(args) -> int:
+    """`pdserve capacity`: a per-rank memory plan, or with --config what that config's decode
+    instance admits."""
+    from pdserve.decode.capacity import cmd_capacity as plan
+
+    if args.config is None:
+        return plan(args)
+    from pdserve.cluster.config import load_serve_config
+
+    cfg, _ = load_serve_config(args.config)
+    print(_pool_capacity(cfg, args.context_tokens, args.output_tokens))
     return 0
 
 
@@ -179,11 +213,20 @@ def main(argv: list[str] | None = None) -> int:
         if name == "demo":
             c.add_argument("--requests", type=int, default=4)
             c.add_argument("--max-tokens", type=int, default=48)
+        if name == "check":
+            c.add_argument("--context-tokens", type=int, default=None,
+                           help="prompt tokens of the requests the admission figure counts "
+                                "(default: the API's whole context, less --output-tokens)")
+            c.add_argument("--output-tokens", type=int, default=0)
         c.set_defaults(func=func)
 
     from pdserve.bench import add_cli as add_bench
     from pdserve.decode.capacity import add_cli as add_capacity
-    add_capacity(sub)
+    cap = add_capacity(sub)
+    cap.add_argument("--config", default=None,
+                     help="cluster TOML: what its decode instance's pools admit (decode.num_pages, "
+                          "num_slots, max_batch, tp, dcp, interleave) instead of a memory plan")
+    cap.set_defaults(func=cmd_capacity)
     add_bench(sub)
 
     args = parser.parse_args(argv)

@@ -258,6 +258,54 @@ def plan_capacity(inp: CapacityInput) -> CapacityReport:
     return CapacityReport(**report)
 
 
+class PoolCapacity(msgspec.Struct, frozen=True):
+    """What one live decode instance admits at once: requests of `tokens_per_request` tokens
+    (prompt + output: pages for the whole generation are reserved at admission) each, until
+    the next one is refused (PoolExhausted, the router's 429) or waits for room."""
+
+    tokens_per_request: int
+    pages_per_request: int   # on the DCP rank holding the most of a request's tokens
+    by_pages: int            # (num_pages - 1) // pages_per_request (page 0 is padding)
+    by_slots: int            # num_slots - 1 (slot 0), less a staging slot while one arrives
+    by_batch: int            # the batcher holds at most max_batch requests
+    admitted: int            # the least of the three
+    tokens_held: int         # admitted * tokens_per_request: the instance's cached tokens
+
+
+def pool_capacity(num_pages: int, num_slots: int, max_batch: int, topology: Topology,
+                  page_tokens: int, context_tokens: int, output_tokens: int,
+                  staging: bool = False) -> PoolCapacity:
+    """The admission bound of a decode instance with these per-rank pools. Every rank allocates
+    pages for its DCP share of the request (`DestRank.allocate`: at least one page), so the
+    rank with the most of its tokens decides; the KDA slot is one per rank whatever the DCP.
+    `staging`: the transfer stages conv state (the prefill's TP or conv layout differ), so the
+    one admission in flight (the batcher admits one at a time) holds a second slot."""
+    for field, value in (("num_pages", num_pages), ("num_slots", num_slots),
+                         ("max_batch", max_batch), ("context_tokens", context_tokens)):
+        if value < 1:
+            raise ValueError(f"{field}: must be >= 1, got {value}")
+    if output_tokens < 0:
+        raise ValueError(f"output_tokens: must be >= 0, got {output_tokens}")
+    tokens = context_tokens + output_tokens
+    pages = max(-(-max(topology.local_count(r, tokens), 1) // page_tokens)
+                for r in range(topology.dcp))
+    by_pages, by_slots = (num_pages - 1) // pages, num_slots - 1 - int(staging)
+    admitted = max(min(by_pages, by_slots, max_batch), 0)
+    return PoolCapacity(tokens, pages, by_pages, by_slots, max_batch, admitted,
+                        admitted * tokens)
+
+
+def format_pool(cap: PoolCapacity, topology: Topology) -> str:
+    """One line: the figure `pdserve check` and `pdserve capacity --config` print."""
+    bound = min(("pages", cap.by_pages), ("slots", cap.by_slots), ("max_batch", cap.by_batch),
+                key=lambda kv: kv[1])[0]
+    return (f"admits {cap.admitted} concurrent request(s) of {cap.tokens_per_request:,} tokens "
+            f"per decode instance (TP {topology.tp}, DCP {topology.dcp}, interleave "
+            f"{topology.interleave}): {cap.pages_per_request} page(s) per request on its "
+            f"fullest rank, bound by {bound} (pages {cap.by_pages}, slots {cap.by_slots}, "
+            f"max_batch {cap.by_batch}); {cap.tokens_held:,} tokens held")
+
+
 def format_table(reports: list[CapacityReport], labels: list[str]) -> str:
     """A plain-text table, one column per report."""
     def gib(x: int) -> str:
