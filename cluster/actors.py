@@ -15,6 +15,13 @@ ranks through torch.distributed (`cluster/lockstep.py`); the router reaches it t
 `RemoteServer` (submit, cancel, stats, and one `events` call that carries every request's new
 tokens), never per step.
 
+A prefill instance runs its prefill loop inside itself too (`pdserve.prefill.server`): rank 0's
+actor (or the engine actor) hosts its `PrefillServer`, which steps the ranks back to back (at
+TP > 1 through the same step group: rank 0 broadcasts each call, the others follow) while the
+router submits requests and reads their results through `RemotePrefill`, never a call per
+chunk. The calls that change a rank's state between steps (`LOOP_CALLS`: poll, cancel, renew)
+then go through the loop on rank 0, and the other ranks run them as rank 0 broadcasts them.
+
 An engine actor hosts ONE object that is a whole prefill instance (`VllmPrefill`: vLLM spawns
 and drives its own TP workers), in a placement group of one bundle with all of the instance's
 GPUs. The router sees it as an instance of one rank (`RayRanks` over one actor, or `EngineRanks`
@@ -37,6 +44,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.prefill.server import LOOP_CALLS, PrefillServer
 from pdserve.transfer.errors import PeerLost
 
 
@@ -86,8 +94,9 @@ class RankHost:
     def __init__(self, role: str, instance: str, rank: int, world: int):
         self.role, self.instance, self.rank, self.world = role, instance, rank, world
         self.obj = None
-        self.steps = None    # a decode instance's step group (TP > 1), see cluster/lockstep.py
-        self.srv = None      # a decode instance's `DecodeServer` (rank 0, once `serve` ran)
+        self.steps = None    # the instance's step group (TP > 1), see cluster/lockstep.py
+        self.srv = None      # rank 0's `DecodeServer` or `PrefillServer`, once it serves
+        self.led = False     # a prefill rank > 0 whose rank 0 serves: it follows every step
         self.served: collections.Counter = collections.Counter()  # calls taken, by method
 
     def address(self) -> tuple[str, int]:
@@ -110,24 +119,47 @@ class RankHost:
                                     rank=self.rank, world_size=self.world,
                                     timeout=datetime.timedelta(seconds=120))
             tp = TPGroup.from_dist()
+        from pdserve.cluster.lockstep import follow, step_group
         if self.role == "prefill":
             from pdserve.prefill.engine import PrefillRank
             self.obj = PrefillRank(self.instance, self.rank, tp=tp, **kwargs)
         else:
-            from pdserve.cluster.lockstep import follow, step_group
             from pdserve.decode.rank import DecodeRank
             self.obj = DecodeRank(self.instance, self.rank, tp=tp,
                                   local_prefill=self.role == "monolithic", **kwargs)
-            if self.world > 1:
-                self.steps = step_group(self.world)
-                if self.rank > 0:  # a TP peer runs the steps its rank 0 broadcasts
-                    threading.Thread(target=follow, args=(self.obj, self.steps, self.instance),
-                                     name="pdserve-follow", daemon=True).start()
+        if self.world > 1:
+            self.steps = step_group(self.world)
+            if self.rank > 0:  # a TP peer runs the steps its rank 0 broadcasts
+                threading.Thread(target=follow, args=(self.obj, self.steps, self.instance),
+                                 name="pdserve-follow", daemon=True).start()
         return {"pid": os.getpid(), "node": _node_ip()}
 
     def call(self, method: str, *args):
         self.served[method] += 1
+        if self.role == "prefill" and method in LOOP_CALLS:
+            if isinstance(self.srv, PrefillServer):  # between two steps, on every rank
+                return self.srv.control(method, *args)
+            if self.led:  # rank 0 runs it on this rank too, in step
+                return None
         return getattr(self.obj, method)(*args)
+
+    def lead(self) -> None:
+        """A prefill rank > 0: from now on rank 0's loop drives this rank's state."""
+        self.led = True
+
+    def serve_prefill(self, peers: list, agents: list, timeout_s: float) -> None:
+        """Rank 0 of a prefill instance: run its prefill loop here (`PrefillServer`), driving
+        `peers` (the actors of ranks 1..) through the step group."""
+        import ray
+
+        from pdserve.cluster.lockstep import Lockstep
+
+        if self.rank != 0 or self.role != "prefill":
+            raise ValueError(f"instance {self.instance}: only a prefill instance's rank 0 runs "
+                             f"a prefill loop (this is {self.role} rank {self.rank})")
+        ray.get([p.lead.remote() for p in peers], timeout=timeout_s)
+        self.srv = PrefillServer(self.instance, Lockstep(self.instance, self.obj, self.steps,
+                                                         None), agents, timeout_s)
 
     def calls(self) -> dict[str, int]:
         """How many calls of each method this actor has taken (`call` and `server`)."""
@@ -152,10 +184,11 @@ class RankHost:
         self.srv = DecodeServer(inst, max_batch, max_queue, self.obj.stats)
 
     def server(self, method: str, *args):
-        """`method` of this rank's `DecodeServer` (`RemoteServer` calls it)."""
+        """`method` of this rank's `DecodeServer` or `PrefillServer` (`RemoteServer`,
+        `RemotePrefill` call it)."""
         self.served[method] += 1
         if self.srv is None:
-            raise RuntimeError(f"instance {self.instance}: rank {self.rank} runs no decode loop")
+            raise RuntimeError(f"instance {self.instance}: rank {self.rank} runs no loop")
         out = getattr(self.srv, method)(*args)
         return _portable(out) if method == "events" else out
 
@@ -200,17 +233,35 @@ class EngineHost:
                  env: dict[str, str]):
         os.environ.update(env)
         build = engine_factory(factory) if isinstance(factory, str) else factory
+        self.instance = instance
         self.obj = build(instance, generation, *args)
+        self.srv: PrefillServer | None = None
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "node": _node_ip()}
 
     def call(self, method: str, *args):
-        return getattr(self.obj, method)(*args)
+        if self.srv is None:
+            return getattr(self.obj, method)(*args)
+        if method in LOOP_CALLS:  # between the loop's steps
+            return self.srv.control(method, *args)
+        return self.srv.ranks.call(method, *args)[0]  # not during a step (vLLM: one thread)
+
+    def serve_prefill(self, peers: list, agents: list, timeout_s: float) -> None:
+        """Run the instance's prefill loop here (`PrefillServer` over the engine, whose
+        calls take turns with the loop's steps)."""
+        self.srv = PrefillServer(self.instance, EngineRanks(self.instance, self.obj, timeout_s),
+                                 agents, timeout_s)
+
+    def server(self, method: str, *args):
+        """`method` of the engine's `PrefillServer` (`RemotePrefill` calls it)."""
+        if self.srv is None:
+            raise RuntimeError(f"instance {self.instance}: the engine runs no prefill loop")
+        return getattr(self.srv, method)(*args)
 
 
 def EngineActor():
-    return _remote(EngineHost)
+    return _remote(EngineHost, ((ADMISSION, 1), (STREAM, 1)))
 
 
 class EngineRanks:
@@ -351,6 +402,39 @@ class RemoteServer:
         self._call("shutdown")
 
 
+class RemotePrefill(RemoteServer):
+    """A prefill instance's `PrefillServer` in its rank-0 (or engine) actor, as the router
+    calls it: `submit` does not wait (it runs in the actor's admission group; a failed one
+    surfaces at the next `results`), `results` waits `wait_s` beyond the call deadline in the
+    stream group, so neither queues behind a `LOOP_CALLS` call waiting for a step."""
+
+    def __init__(self, name: str, actor, timeout_s: float):
+        super().__init__(name, actor, timeout_s)
+        self._submits: list = []
+        self._lock = threading.Lock()
+
+    def __reduce__(self):
+        # shipped with its `Instance` (a decode rank 0's `SourceDigests`): the same actor
+        return RemotePrefill, (self.name, self.actor, self.timeout_s)
+
+    def submit(self, request, deadline_s: float | None = None,
+               threads: int | None = None) -> None:
+        ref = self.actor.server.options(concurrency_group=ADMISSION).remote(
+            "submit", request, deadline_s, threads)
+        with self._lock:
+            self._submits.append(ref)
+
+    def results(self, wait_s: float) -> list:
+        import ray
+
+        with self._lock:
+            done, self._submits = ray.wait(self._submits, num_returns=len(self._submits),
+                                           timeout=0) if self._submits else ([], [])
+        if done:
+            _answers(self.name, done, "submit", self.timeout_s)
+        return self._call("results", wait_s, group=STREAM, wait_s=wait_s)
+
+
 @dataclass
 class Instance:
     """`ranks`: `RayRanks` (one actor per rank, or one engine actor), or in-process ranks.
@@ -364,6 +448,8 @@ class Instance:
     alive: bool = True
     engine: bool = False
     pids: list[int] = field(default_factory=list)  # the rank (or engine) actors' processes
+    # a prefill instance's loop in its actor (`serve_prefill`); None: the router runs it
+    server: object = None
 
     def digests(self, src_rank: int, request_id: str, runs) -> list[int]:
         """xxh3 digests of `runs` computed by source rank `src_rank` (transfer.verify)."""
@@ -421,6 +507,17 @@ def serve_decode(inst: Instance, engine: dict, max_batch: int, max_queue: int) -
     inst.ranks.answers([actors[0].serve.remote(actors[1:], engine, max_batch, max_queue,
                                                 inst.ranks.timeout_s)], "serve")
     return RemoteServer(inst.name, actors[0], inst.ranks.timeout_s)
+
+
+def serve_prefill(inst: Instance) -> None:
+    """Start a prefill instance's prefill loop in its rank-0 (or engine) actor and set
+    `inst.server` to it; an in-process instance keeps None (the router runs its loop)."""
+    actors = getattr(inst.ranks, "actors", None)
+    if not actors:
+        return
+    inst.ranks.answers([actors[0].serve_prefill.remote(actors[1:], inst.agents,
+                                                       inst.ranks.timeout_s)], "serve_prefill")
+    inst.server = RemotePrefill(inst.name, actors[0], inst.ranks.timeout_s)
 
 
 def start_instance(role: str, name: str, generation: int, tp: int, kwargs: dict,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -37,7 +36,7 @@ import msgspec
 from pdserve.api.backend import BackendUnavailable
 from pdserve.decode.batcher import BadRequest, DeadlineExceeded, Overloaded, TokenEvent
 from pdserve.model.sampling import Request
-from pdserve.prefill.engine import PrefillResult
+from pdserve.prefill.server import PrefillServer
 from pdserve.prefill.prefix_cache import PrefixIndex
 from pdserve.state.pools import PoolExhausted
 from pdserve.transfer.errors import TransferError
@@ -83,42 +82,58 @@ async def _next_or_end(events: AsyncIterator[TokenEvent], ended: asyncio.Future
 
 
 class PrefillQueue:
-    """Feeds one prefill instance: a worker thread takes whatever is queued (up to `max_batch`
-    new requests per call) and calls `prefill` on the instance's ranks, again and again while
-    any request is in progress there. A reference instance with a step budget prefills in
-    chunks, each call one step (`pdserve.prefill.scheduler`), so a request that arrives while a
-    long prompt prefills joins at the next step; an instance without one (or a vLLM engine)
-    finishes each call's requests within it.
+    """Feeds one prefill instance, whose prefill loop (`PrefillServer`) runs inside the instance
+    (`Instance.server`: in its rank-0 or engine actor) or, for an instance without one
+    (in-process ranks), in this process: `submit` hands the loop a request, and a reader thread
+    reads the results of every request in flight there (one `results` call at a time, which
+    waits for the next) and resolves each request's future. The loop schedules: a reference
+    instance with a step budget prefills in chunks, back to back, and a request that arrives
+    while a long prompt prefills joins its next step; an instance without one (or a vLLM
+    engine) finishes each step's requests within it.
 
     `index`: which prefixes the instance's prefix cache holds, refreshed after every call that
     finished a request (before its result is handed on, so the next request is routed by it);
     None for an instance without one (a vLLM engine, a cache turned off)."""
 
-    def __init__(self, inst: Instance, max_batch: int = 16, idle_threads: int = 0,
-                 decode_idle=lambda: False):
-        # idle_threads: torch threads for a prefill call made while no decode instance has work
+    def __init__(self, inst: Instance, idle_threads: int = 0, decode_idle=lambda: False,
+                 wait_s: float = EVENTS_WAIT_S):
+        # idle_threads: torch threads for a prefill step while no decode instance has work
         # (ranks sharing one host's cores; 0 = the rank's own setting always)
-        self.inst, self.max_batch = inst, max_batch
+        self.inst, self.wait_s = inst, wait_s
         self.idle_threads, self.decode_idle = idle_threads, decode_idle
+        self.server = inst.server or PrefillServer(inst.name, inst.ranks, inst.agents,
+                                                   getattr(inst.ranks, "timeout_s", 60.0))
         self.pending_tokens = 0
-        self.steps = 0  # prefill calls made (steps, when chunked)
         self.index: PrefixIndex | None = None if inst.engine else PrefixIndex()
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"prefill-{inst.name}")
+        self._futs: dict[str, tuple[Request, Future]] = {}  # in flight on the instance
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # a request was submitted: read results
+        self._closed = False
+        self._thread = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"prefill-{inst.name}")
         self._thread.start()
 
-    def submit(self, request: Request) -> Future:
+    def submit(self, request: Request, deadline_s: float | None = None) -> Future:
+        """The future of `request`'s `PrefillResult`; the loop drops it `deadline_s` from now."""
         fut: Future = Future()
         # running from the start: a caller that stops waiting (cancelled, past its deadline)
         # cannot cancel it, so its result still arrives and its state can be freed
         fut.set_running_or_notify_cancel()
-        self.pending_tokens += len(request.prompt)
-        self._q.put((request, fut))
+        with self._lock:
+            self._futs[request.request_id] = (request, fut)
+            self.pending_tokens += len(request.prompt)
+        threads = self.idle_threads if self.idle_threads and self.decode_idle() else None
+        try:
+            self.server.submit(request, deadline_s, threads)
+        except Exception as exc:
+            self._lose(exc)
+        self._wake.set()
         return fut
 
     def close(self) -> None:
-        """Stop taking requests; those already queued or in progress still finish."""
-        self._q.put(None)
+        """Stop reading once the requests in flight are answered."""
+        self._closed = True
+        self._wake.set()
 
     def cached(self, prompt: list[int]) -> int:
         """Prompt tokens of `prompt` the instance's prefix cache would spare, by its index."""
@@ -140,58 +155,44 @@ class PrefillQueue:
         else:
             self.index.apply(changes)
 
-    def _take(self, wait: bool) -> tuple[list, bool]:
-        """Up to `max_batch` queued requests (waiting for one if `wait`), and whether `close`
-        was called."""
-        batch = []
-        while len(batch) < self.max_batch:
-            try:
-                item = self._q.get(block=wait and not batch)
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, True
-            batch.append(item)
-        return batch, False
-
-    def _loop(self) -> None:
-        running: dict[str, tuple[Request, Future]] = {}  # in progress on the instance
-        closing = False
+    def _read_loop(self) -> None:
         while True:
-            new = []
-            if not closing:
-                new, closing = self._take(wait=not running)
-            if not new and not running:
-                if closing:
-                    return
+            if not self._futs:
+                if self._closed:
+                    break
+                self._wake.wait(IDLE_POLL_S)
+                self._wake.clear()
                 continue
-            running.update((r.request_id, (r, fut)) for r, fut in new)
             try:
-                threads = self.idle_threads if self.idle_threads and self.decode_idle() else None
-                per_rank = self.inst.ranks.call("prefill", [r for r, _ in new], self.inst.agents,
-                                                threads)
-                self.steps += 1
-                results = _agreed(self.inst.name, per_rank)
+                results = self.server.results(self.wait_s)
                 if results and self.index is not None:
                     self._sync_index()
-                for res in results:
-                    req, fut = running.pop(res.request_id)
-                    self.pending_tokens -= len(req.prompt)
-                    fut.set_result(res)
             except Exception as exc:
-                exc = remote_cause(exc)
-                if isinstance(exc, InstanceLost):
-                    self.inst.alive = False
-                else:  # the ranks still hold what was in progress: let them drop it
-                    for rid in running:
-                        try:
-                            self.inst.ranks.call("cancel", rid)
-                        except Exception:
-                            pass  # the instance is failing: nothing more to free there
-                for req, fut in running.values():
-                    self.pending_tokens -= len(req.prompt)
-                    fut.set_exception(exc)
-                running.clear()
+                self._lose(exc)
+                continue
+            for res in results:
+                with self._lock:
+                    item = self._futs.pop(res.request_id, None)
+                    if item is not None:
+                        self.pending_tokens -= len(item[0].prompt)
+                if item is not None:
+                    item[1].set_result(res)
+        if self.inst.server is None:  # the loop ran here
+            self.server.shutdown()
+
+    def _lose(self, exc: BaseException) -> None:
+        """The loop or the instance failed: it is lost, and every request in flight hears it
+        (as `InstanceLost`, so the router prefills them elsewhere)."""
+        exc = remote_cause(exc)
+        if not isinstance(exc, InstanceLost):
+            exc = InstanceLost(f"instance {self.inst.name}: its prefill loop failed: "
+                               f"{type(exc).__name__}: {exc}", self.inst.name)
+        self.inst.alive = False
+        with self._lock:
+            failed, self._futs = self._futs, {}
+            self.pending_tokens = 0
+        for _, fut in failed.values():
+            fut.set_exception(exc)
 
 
 def pick_prefill(queues: list[PrefillQueue], hits: list[int], bound: int) -> PrefillQueue:
@@ -209,30 +210,6 @@ def pick_prefill(queues: list[PrefillQueue], hits: list[int], bound: int) -> Pre
 # what they hold now (summed over live instances)
 PREFIX_COUNTERS = ("prefix_hits", "prefix_misses", "prefix_tokens_saved", "prefix_evictions")
 PREFIX_GAUGES = ("prefix_entries", "prefix_checkpoints", "prefix_cached_tokens", "prefix_bytes")
-
-
-def _state_ids(res):
-    m = None if res.handle is None else res.handle.manifest
-    return None if m is None else (m.latent_pages, m.kda_slot, m.checkpoints)
-
-
-def _agreed(instance: str, per_rank: list) -> list:
-    """Rank 0's results, where every TP rank holds the request's state under the same page and
-    slot ids (the manifest carries rank 0's for all); a request whose ranks disagree (or that
-    another rank did not finish in this call) gets an error result instead of a handle that
-    would read another request's state."""
-    out = []
-    others = [{r.request_id: r for r in rank} for rank in per_rank[1:]]
-    for res in per_rank[0]:
-        ids = _state_ids(res)
-        bad = [r for r, other in enumerate(others, 1)
-               if res.request_id not in other or _state_ids(other[res.request_id]) != ids]
-        if bad:
-            res = PrefillResult(res.request_id, error=(
-                f"prefill instance {instance}: TP ranks {bad} hold request {res.request_id}'s "
-                "state under other page/slot ids than rank 0 (ranks out of step)"))
-        out.append(res)
-    return out
 
 
 class DecodeSlot:
@@ -615,8 +592,8 @@ class Router:
             q = pick_prefill(live, [p.cached(request.prompt) for p in live],
                              self.route_max_queued_tokens)
             tried.add(q.inst.name)
-            fut = q.submit(request)
             timeout = None if end is None else max(end - time.monotonic(), 0.01)
+            fut = q.submit(request, timeout)
             try:
                 res = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
             except InstanceLost as exc:

@@ -16,8 +16,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.cluster.actors import (Instance, SourceDigests, serve_decode, start_engine_instance,
-                                    start_instance)
+from pdserve.cluster.actors import (Instance, SourceDigests, serve_decode, serve_prefill,
+                                    start_engine_instance, start_instance)
 from pdserve.cluster.config import (ServeConfig, check_vllm_geometry, vllm_engine_config,
                                     vllm_env, vllm_model_dir)
 from pdserve.cluster.preflight import check_resources, listen_socket, local_resources
@@ -125,6 +125,7 @@ class Builder:
             if self.cfg.vllm:
                 check_vllm_geometry(self.cfg, new.ranks.call("geometry")[0])
             new.ranks.call("connect", [a for d in decode for a in d.inst.agents])
+            serve_prefill(new)
             if self.cfg.transfer.verify:
                 sources = SourceDigests([new if p.name == old.name else p for p in prefill])
                 for d in decode:
@@ -223,6 +224,7 @@ def assemble(cfg: ServeConfig, model, prefill: list[Instance], decode: list[Inst
     agents = [a for d in decode for a in d.agents]
     for p in prefill:
         p.ranks.call("connect", agents)
+        serve_prefill(p)  # its prefill loop runs in the instance from now on
     slots = [decode_slot(cfg, model, d, prefill) for d in decode]
     return Router(cfg.model.name, max_context(cfg), prefill, slots, cfg.api.max_queue,
                   cfg.resources.prefill_idle_threads, build,

@@ -266,22 +266,3 @@ def test_bad_input_cancellation_and_mixed_load_leave_nothing_behind():
                 break
             assert time.monotonic() < deadline, (d, p, router.in_flight)
             time.sleep(0.2)
-
-
-def test_prefill_ranks_out_of_step_give_an_error_not_a_handle():
-    """The manifest carries rank 0's page/slot ids for every TP rank: a request whose ranks hold
-    it elsewhere must fail loudly (a handle would make decode read another request's state)."""
-    from types import SimpleNamespace
-
-    from pdserve.cluster.router import _agreed
-    from pdserve.prefill.engine import PrefillResult
-
-    def res(rid, pages, slot):
-        manifest = SimpleNamespace(latent_pages=[pages], kda_slot=slot, checkpoints=[])
-        return PrefillResult(rid, handle=SimpleNamespace(manifest=manifest))
-
-    rank0 = [res("a", [1, 2], 3), res("b", [4], 5), PrefillResult("c", error="PoolExhausted: x")]
-    rank1 = [res("a", [1, 2], 3), res("b", [6], 5), PrefillResult("c", error="PoolExhausted: x")]
-    a, b, c = _agreed("prefill-0", [rank0, rank1])
-    assert a is rank0[0] and c is rank0[2]
-    assert b.handle is None and "TP ranks [1]" in b.error and "request b" in b.error
