@@ -70,9 +70,10 @@ class PrefillSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_pages: int = 256
     num_slots: int = 16
     conv_layout: Literal["SD", "DS"] = "SD"    # vllm: VLLM_SSM_CONV_STATE_LAYOUT
-    # reference engine: prompt tokens per prefill step (chunked prefill), a multiple of 16;
-    # 0 = each prompt whole in one step (a long prompt then holds up every prompt behind it)
-    chunk_tokens: int = 64
+    # reference engine: the budget of one prefill step (chunked prefill, a chunk from position p
+    # costing 1 + p/2048 per token), a multiple of 16; 0 = each prompt whole in one step (a long
+    # prompt then holds up every prompt behind it)
+    chunk_tokens: int = 768
     # reference engine: the prefix cache of each rank (docs/design.md §6)
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     vllm: VllmSection = VllmSection()
