@@ -4,6 +4,7 @@ DCP 1 tokens (the monolithic loop's), greedy and seeded, from prefill TP 1 and 2
 and larger; settings DCP cannot run are refused naming the numbers."""
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import torch
@@ -87,15 +88,17 @@ class DCPCluster:
         start = lambda role, tag, tp, **kw: self._keep(start_instance(
             role, f"{role}-dcp-{name}-{tag}", 0, tp, {**common, **kw}, 0.25, 0, 120, threads=1))
         try:
-            for il in interleaves:
-                topo = Topology(2, 2, il)
-                dec = start("decode", f"il{il}", 2, topology=topo,
-                            transfer=TransferConfig(verify=True))
-                self.slots[il] = (dec, topo)
-            for p in (1, 2):
-                # pages laid out for the first decode topology (the other reads shorter runs)
-                self.prefill[p] = start("prefill", f"p{p}", p,
-                                        decode_topology=Topology(2, 2, interleaves[-1]))
+            with ThreadPoolExecutor(4) as pool:  # the instances start side by side
+                decs = {il: pool.submit(start, "decode", f"il{il}", 2, topology=Topology(2, 2, il),
+                                        transfer=TransferConfig(verify=True))
+                        for il in interleaves}
+                # pages laid out for the last decode topology (the other reads shorter runs)
+                pres = {p: pool.submit(start, "prefill", f"p{p}", p,
+                                       decode_topology=Topology(2, 2, interleaves[-1]))
+                        for p in (1, 2)}
+                wait(list(decs.values()) + list(pres.values()))
+            self.slots = {il: (f.result(), Topology(2, 2, il)) for il, f in decs.items()}
+            self.prefill = {p: f.result() for p, f in pres.items()}
             for dec, topo in list(self.slots.values()):
                 for pre in self.prefill.values():
                     pre.ranks.call("connect", dec.agents)

@@ -2,7 +2,7 @@
 the tiny preset at DCP 1, 2 and 4 (Ray rank actors, gloo, state over NIXL), requests of 30 + 994
 tokens are admitted until the pools are full, and the next one is refused (PoolExhausted, the
 router's 429), exactly the predicted count; DCP 2 and 4 admit 2x and 4x DCP 1 on the same
-pools per rank."""
+pools per rank. The same instances give the DCP 1 tokens at DCP 4 (greedy and seeded)."""
 import asyncio
 import time
 
@@ -13,8 +13,8 @@ from pdserve.model.config import preset
 from pdserve.model.sampling import Request, SamplingParams
 from pdserve.state.block_table import Topology
 
-from test_dcp import _served
-from test_disaggregated import LAYOUT
+from test_dcp import DCP_PARAMS, DCP_PROMPTS, _served
+from test_disaggregated import LAYOUT, _collect, monolithic
 
 PROMPT, OUTPUT = 30, 994        # 1,024 tokens reserved per request: 16 pages of 64 at DCP 1
 NUM_PAGES, NUM_SLOTS = 33, 10   # 32 usable pages per rank; 9 slots
@@ -53,25 +53,37 @@ def live_admitted(slot, handles, limit_s: float = 120.0) -> tuple[int, list[str]
 
 @pytest.fixture(scope="module")
 def instances(ray_session):
+    from concurrent.futures import ThreadPoolExecutor
+
     from pdserve.cluster.actors import start_instance
     config = preset("tiny")
     common = dict(config=config, layout=LAYOUT, seed=5, num_slots=NUM_SLOTS)
-    started = []
+    started, slots = [], {}
+
+    def start(c):  # c = 0: the prefill instance (TP 1); else a decode instance of DCP = TP = c
+        if c == 0:
+            return start_instance("prefill", "prefill-dcpcap", 0, 1, {**common, "num_pages": 24},
+                                  0.25, 0, 120, threads=1)
+        return start_instance("decode", f"decode-dcpcap-{c}", 0, c,
+                              {**common, "num_pages": NUM_PAGES, "topology": Topology(c, c, 1)},
+                              0.25, 0, 120, threads=1)
     try:
-        pre = start_instance("prefill", "prefill-dcpcap", 0, 1, {**common, "num_pages": 24},
-                             0.25, 0, 120, threads=1)
-        started.append(pre)
-        slots = {}
-        for c in (1, 2, 4):
-            dec = start_instance("decode", f"decode-dcpcap-{c}", 0, c,
-                                 {**common, "num_pages": NUM_PAGES,
-                                  "topology": Topology(c, c, 1)}, 0.25, 0, 120, threads=1)
-            started.append(dec)
+        with ThreadPoolExecutor(4) as pool:  # the instances start side by side
+            futures = [pool.submit(start, c) for c in (0, 1, 2, 4)]
+            for f in futures:
+                try:
+                    started.append(f.result())
+                except Exception:
+                    pass  # raised below, once every other start has ended
+            if len(started) < 4:
+                futures[[f.exception() is not None for f in futures].index(True)].result()
+        pre, decs = started[0], dict(zip((1, 2, 4), started[1:]))
+        for c, dec in decs.items():
             pre.ranks.call("connect", dec.agents)
             slots[c] = (dec, _served(dec, config, Topology(c, c, 1), max_batch=NUM_SLOTS - 1))
         yield config, pre, slots
     finally:
-        for _, (_, slot) in locals().get("slots", {}).items():
+        for _, slot in slots.values():
             slot.close()
         for inst in started:
             inst.kill()
@@ -118,3 +130,17 @@ def test_check_and_capacity_print_the_same_admission_figure(tmp_path, capsys):
     assert main(["check", *args]) == 0
     # p = 1 -> d = 4 stages conv state: the admission in flight holds a second slot (9 - 1 = 8)
     assert line in capsys.readouterr().out.splitlines()
+
+
+def test_dcp4_tokens_equal_dcp1(instances):
+    """TP 4 / DCP 4 at interleave 1 from a TP 1 prefill: the 150-token prompt puts rows on all
+    four ranks, the 1-token one on rank 0 only until it decodes."""
+    config, pre, slots = instances
+    dec, slot = slots[4]
+    reqs = [Request(f"tok4-{i}", pr, sp) for i, (pr, sp) in enumerate(zip(DCP_PROMPTS, DCP_PARAMS))]
+    results = pre.ranks.call("prefill", reqs, pre.agents)[0]
+    assert all(r.error is None for r in results), results
+
+    async def main():
+        return await asyncio.gather(*[_collect(slot, r.handle) for r in results])
+    assert asyncio.run(main()) == monolithic(config, DCP_PROMPTS, DCP_PARAMS)
