@@ -1,8 +1,10 @@
 """The API's tokenizers and streamed text: one byte-level tokenizer, and `TextStream` over
 `tokenizers.decoders.DecodeStream` for it and for a Hugging Face byte-level BPE, where multi-byte
-UTF-8 characters split across tokens stream whole and the pieces add up to the full decode."""
+UTF-8 characters split across tokens stream whole and the pieces add up to the full decode; chat
+template sources and stop tokens. Kimi's tiktoken layout: tests/test_kimi_layout.py."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -107,3 +109,42 @@ def test_stop_strings_cut_split_characters_cleanly():
     tok = ByteLevelTokenizer()
     pieces = stream(tok, tok.encode("a世b🙂c"), stops=["🙂"])
     assert_whole_characters(pieces, "a世b")
+
+
+def _tok_dir(tmp_path, config: dict, template_file: str | None = None):
+    from tokenizers import models
+
+    vocab = {"[UNK]": 0, "<|im_end|>": 1, "hi": 2, "[": 3, "]": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|im_end|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if template_file is not None:
+        (tmp_path / "chat_template.jinja").write_text(template_file)
+    return load_tokenizer(str(tmp_path), vocab_size=8)
+
+
+def test_chat_template_sources_and_transformers_extras(tmp_path):
+    from pdserve.api.chat_template import load_chat_template
+
+    # named templates: "default" is used; chat_template.jinja takes precedence over the config
+    named = [{"name": "tool_use", "template": "no"}, {"name": "default", "template": "hi"}]
+    assert _tok_dir(tmp_path, {"chat_template": named}).chat_prompt([]) == [2]
+    assert _tok_dir(tmp_path, {"chat_template": "no"}, "{{ 'hi' }}").chat_prompt([]) == [2]
+    # transformers' tojson takes json.dumps' arguments and keeps non-ASCII; loopcontrols work
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m | tojson(separators=(',', ':')) }}{% endfor %}{{ bos_token }}")
+    t = load_chat_template(tmp_path, {"bos_token": {"content": "<s>"}})
+    assert t.render([{"role": "user", "content": "é<"}, {"role": "x"}]) == \
+        '{"role":"user","content":"é<"}<s>'
+    (tmp_path / "chat_template.jinja").write_text("{% generation %}x{% endgeneration %}")
+    with pytest.raises(ValueError, match="chat_template.jinja: the chat template does not "
+                                         "compile.*generation"):
+        load_chat_template(tmp_path, {})
+
+
+def test_stop_tokens_include_the_end_of_a_chat_turn(tmp_path):
+    # no eos_token, no generation_config: <|im_end|> (Kimi's and ChatML's end of turn) still
+    assert _tok_dir(tmp_path, {}).stop_token_ids == [1]

@@ -1,12 +1,14 @@
 """Text <-> token ids for the API: prompts, chat templates, and streamed text with stop strings.
 
-Two tokenizers share one small interface (`encode`, `decode`, `chat_prompt`, `vocab_size`,
-`stop_token_ids`, `backend`, `max_token_chars`): the byte-level one of the `tiny` preset, and a Hugging Face
-`tokenizer.json` loaded with the `tokenizers` package (no transformers). Both decode through a
-`tokenizers.Tokenizer` (`backend`), so `TextStream` streams text for either with
-`tokenizers.decoders.DecodeStream`. Stopping on the model's EOS is the engine's job (it reads
-`eos_token_id` from the model config); `stop_token_ids` adds the tokenizer's own end tokens (e.g.
-a chat template's end-of-turn) when it declares them.
+Three tokenizers share one small interface (`encode`, `decode`, `decode_stream`, `chat_prompt`,
+`vocab_size`, `stop_token_ids`, `max_token_chars`): the byte-level one of the `tiny` preset, a
+Hugging Face `tokenizer.json` loaded with the `tokenizers` package (no transformers), and Kimi's
+`tiktoken.model` through the `tiktoken` package (`pdserve.api.tiktoken_tokenizer`). Chat
+templates render as transformers renders them (`pdserve.api.chat_template`). Stopping on the
+model's EOS is the engine's job (it reads `eos_token_id` from the model config);
+`stop_token_ids` adds the tokenizer's own end tokens: `tokenizer_config.json`'s `eos_token`,
+`generation_config.json`'s `eos_token_id`, and the end of a chat turn, `<|im_end|>` (Kimi's and
+ChatML's), where the vocabulary has it.
 """
 from __future__ import annotations
 
@@ -14,18 +16,20 @@ import functools
 import json
 import logging
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
+
+from pdserve.api.chat_template import (ChatTemplate, Message, load_chat_template,
+                                       simple_chat_template, special_text)
 
 log = logging.getLogger("pdserve.api")
 
-Message = dict  # {"role", "content"} and optionally "name", as chat templates take them
+END_OF_TURN = ("<|im_end|>",)  # a chat reply ends here even where the configs name only [EOS]
+TIKTOKEN_FILE = "tiktoken.model"
 
 
 class Tokenizer(Protocol):
     vocab_size: int            # the model's vocabulary: valid prompt ids are below it
     stop_token_ids: list[int]  # end tokens beyond the model config's eos_token_id
-    backend: object            # the `tokenizers.Tokenizer` that decodes (and streams) the ids
-    skip_special_tokens: bool  # whether decoded text leaves special tokens out
     max_token_chars: int       # the most characters one token stands for: a text of n
                                # characters is at least n / max_token_chars tokens
 
@@ -34,11 +38,9 @@ class Tokenizer(Protocol):
     def token_bytes(self, token: int) -> bytes: ...  # what one token stands for
     def chat_prompt(self, messages: list[Message]) -> list[int]: ...
 
-
-def simple_chat_template(messages: list[Message]) -> str:
-    """The documented template for models without one: "<|role|>\\ncontent\\n" per message,
-    then "<|assistant|>\\n" to prompt the reply."""
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    def decode_stream(self) -> Callable[[int], str | None]:
+        """A fresh incremental decoder: called with each token, it returns the text that
+        token completes (whole characters only), or None while a character is incomplete."""
 
 
 def _byte_chars() -> dict[int, str]:
@@ -65,12 +67,19 @@ def _byte_backend():
     return tok
 
 
+def _tokenizers_stream(backend, skip_special_tokens: bool) -> Callable[[int], str | None]:
+    """`tokenizers.decoders.DecodeStream` over `backend`: it emits text only once it no longer
+    ends in U+FFFD, so a character split over several tokens streams whole."""
+    from tokenizers.decoders import DecodeStream
+
+    return functools.partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, backend)
+
+
 class ByteLevelTokenizer:
     """One token per UTF-8 byte (the `tiny` preset's 256-token vocabulary)."""
 
     vocab_size = 256
     stop_token_ids: list[int] = []
-    skip_special_tokens = False  # there are none
     max_token_chars = 1
 
     @property
@@ -86,6 +95,9 @@ class ByteLevelTokenizer:
             raise ValueError(f"token ids {bad[:5]} are not bytes")
         return self.backend.decode(list(ids))
 
+    def decode_stream(self) -> Callable[[int], str | None]:
+        return _tokenizers_stream(self.backend, skip_special_tokens=False)  # there are none
+
     def token_bytes(self, token: int) -> bytes:
         return bytes([token])
 
@@ -93,10 +105,31 @@ class ByteLevelTokenizer:
         return self.encode(simple_chat_template(messages))
 
 
-class HFTokenizer:
-    """`tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json` when present)."""
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
 
-    skip_special_tokens = True
+
+def chat_template_or_warn(directory: Path, config: dict) -> ChatTemplate | None:
+    template = load_chat_template(directory, config)
+    if template is None:
+        log.warning("%s has no chat template; chat requests use the simple template "
+                    "(<|role|>\\ncontent\\n ... <|assistant|>\\n)", directory)
+    return template
+
+
+def stop_ids(directory: Path, config: dict, token_id: Callable[[str], int | None]) -> list[int]:
+    """The tokenizer's end tokens (see the module docstring); `token_id` maps a token's text to
+    its id, or None where the vocabulary lacks it."""
+    names = [special_text(config.get("eos_token")), *END_OF_TURN]
+    stops = {i for name in names if name is not None and (i := token_id(name)) is not None}
+    gen_eos = read_json(directory / "generation_config.json").get("eos_token_id")
+    stops.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+    return sorted(stops)
+
+
+class HFTokenizer:
+    """`tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`,
+    `generation_config.json` when present)."""
 
     def __init__(self, directory: Path, vocab_size: int):
         from tokenizers import Tokenizer as _Tokenizer
@@ -109,25 +142,18 @@ class HFTokenizer:
         # a vocabulary entry spells its token with at least as many characters as the token
         # decodes to (byte-level BPE: one per byte; added tokens: as they are typed)
         self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)))
-        config = _read_json(directory / "tokenizer_config.json")
-        self._bos = _token_text(config.get("bos_token"))
-        self._eos = _token_text(config.get("eos_token"))
-        self._template = _chat_template(config.get("chat_template"))
-        if self._template is None:
-            log.warning("%s has no chat_template; chat requests use the simple template "
-                        "(<|role|>\\ncontent\\n ... <|assistant|>\\n)", directory)
-        stops = set()
-        if self._eos is not None and (eos := self._tok.token_to_id(self._eos)) is not None:
-            stops.add(eos)
-        gen_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
-        stops.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
-        self.stop_token_ids = sorted(stops)
+        config = read_json(directory / "tokenizer_config.json")
+        self._template = chat_template_or_warn(directory, config)
+        self.stop_token_ids = stop_ids(directory, config, self._tok.token_to_id)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_stream(self) -> Callable[[int], str | None]:
+        return _tokenizers_stream(self._tok, skip_special_tokens=True)
 
     def token_bytes(self, token: int) -> bytes:
         return self.decode([token]).encode()
@@ -135,76 +161,46 @@ class HFTokenizer:
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         if self._template is None:
             return self.encode(simple_chat_template(messages))
-        from jinja2.exceptions import TemplateError
-
-        try:
-            text = self._template.render(
-                messages=messages,
-                add_generation_prompt=True, bos_token=self._bos or "", eos_token=self._eos or "")
-        except TemplateError as exc:
-            raise ValueError(f"the chat template refused them: {exc}") from None
         # The template writes the special tokens itself.
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _token_text(token) -> str | None:
-    # tokenizer_config.json spells special tokens as a string or as {"content": ...}
-    return token.get("content") if isinstance(token, dict) else token
-
-
-def _chat_template(template):
-    """Compile the HF chat template in a sandbox (templates come with downloaded models)."""
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if not template:
-        return None
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
+        return self._tok.encode(self._template.render(messages), add_special_tokens=False).ids
 
 
 def load_tokenizer(model_spec: str, vocab_size: int) -> Tokenizer:
-    """The tokenizer of a model: `tokenizer.json` in its directory, else byte-level when the
-    vocabulary is the 256 bytes; anything else is an error naming what is missing."""
+    """The tokenizer of a model: `tokenizer.json` in its directory, else Kimi's
+    `tiktoken.model`, else byte-level when the vocabulary is the 256 bytes; anything else is an
+    error naming what is missing."""
     directory = Path(model_spec)
     if directory.is_file():
         directory = directory.parent
     if (directory / "tokenizer.json").exists():
         return HFTokenizer(directory, vocab_size)
+    if (directory / TIKTOKEN_FILE).exists():
+        from pdserve.api.tiktoken_tokenizer import TiktokenTokenizer
+
+        return TiktokenTokenizer(directory, vocab_size)
     if vocab_size == ByteLevelTokenizer.vocab_size:
         return ByteLevelTokenizer()
     raise ValueError(f"model {model_spec!r} has a {vocab_size}-token vocabulary and no "
-                     f"tokenizer.json; give a model directory that contains one")
+                     f"tokenizer.json or {TIKTOKEN_FILE}; give a model directory that contains "
+                     "one")
 
 
 class TextStream:
     """Turns a request's output tokens into text deltas for streaming, honouring stop strings.
 
-    The text comes from `tokenizers.decoders.DecodeStream` over the tokenizer's `backend`: it
-    emits text only once it no longer ends in U+FFFD, so a character split over several tokens
-    (a multi-byte UTF-8 char in the byte vocabulary, or a byte-level BPE token boundary inside
-    one) streams whole. `flush` adds what is still held at the end, so the deltas concatenate to
-    the full decode. Text that could still grow into a stop string is held back; once a stop
-    string appears, the text is cut before it and `stopped` is set."""
+    The text comes from the tokenizer's `decode_stream`, which emits text only once a
+    character is complete, so a character split over several tokens (a multi-byte UTF-8 char
+    in the byte vocabulary, or a BPE token boundary inside one) streams whole. `flush` adds
+    what is still held at the end, so the deltas concatenate to the full decode. Text that
+    could still grow into a stop string is held back; once a stop string appears, the text is
+    cut before it and `stopped` is set."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
-        from tokenizers.decoders import DecodeStream
-
         self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=tokenizer.skip_special_tokens)
+        self._step = tokenizer.decode_stream()
         self._stops = list(stops)
         self._ids: list[int] = []
-        self._pending: list[int] = []  # pushed since DecodeStream last returned text
+        self._pending: list[int] = []  # pushed since the stream last returned text
         self._text = ""                # decoded text (whole characters) so far
         self._sent = 0                 # characters of it already returned
         self.stopped = False
@@ -215,7 +211,7 @@ class TextStream:
             return ""
         self._ids.append(token)
         self._pending.append(token)
-        piece = self._stream.step(self._tok.backend, token)
+        piece = self._step(token)
         if piece is not None:
             self._text += piece
             self._pending.clear()
@@ -224,7 +220,7 @@ class TextStream:
     def flush(self) -> str:
         """The rest of the text at the end of the request."""
         if not self.stopped and self._pending:
-            # What DecodeStream still holds (a character left incomplete): the full decode's
+            # What the stream still holds (a character left incomplete): the full decode's
             # tail, which ends in U+FFFD as the full decode does.
             full = self._tok.decode(self._ids)
             if full.startswith(self._text):
