@@ -40,7 +40,8 @@ PATTERN = "|".join([
 NUM_RESERVED = 256
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
-_LONG_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1},}}|\S{{{MAX_RUN_CHARS + 1},}}")
+# a run is tried only where it starts (the lookbehinds), so the scan stays linear
+_LONG_RUN = re.compile(rf"(?<!\s)\s{{{MAX_RUN_CHARS + 1},}}|(?<!\S)\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def read_ranks(path: Path) -> dict[bytes, int]:
