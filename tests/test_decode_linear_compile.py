@@ -21,7 +21,7 @@ H200_SMS = 132
 SHAPES = {"o_proj": (2304, 4096), "kda_in": (12576, 2304), "mla_q_kv_a": (6720, 2304)}
 
 
-def _compile(n, k, bm, bn, splits, stages=4, pdl=True, tmp_path=None):
+def _compile(n, k, bm, bn, splits, stages=dl.DEFAULT_STAGES, pdl=True, tmp_path=None):
     fn = dl.compile_variant(n, k, bm, bn, splits, stages, pdl, dump_dir=str(tmp_path))
     assert cubin_sm(fn.artifacts.CUBIN) == 90
     assert cubin_resources(fn.artifacts.CUBIN)["stack"] == 0, "register spills"
@@ -35,9 +35,8 @@ def _compile(n, k, bm, bn, splits, stages=4, pdl=True, tmp_path=None):
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_default_variants_compile(shape, bn, tmp_path):
     n, k = SHAPES[shape]
-    bm = dl.default_bm(bn)
-    splits = dl.default_splits(n, k, bm, H200_SMS)
-    ptx = _compile(n, k, bm, bn, splits, tmp_path=tmp_path)
+    splits = dl.default_splits(n, k, dl.DEFAULT_BM, H200_SMS)
+    ptx = _compile(n, k, dl.DEFAULT_BM, bn, splits, tmp_path=tmp_path)
     if splits > 1:
         # the arrival: release fence, then the acq_rel add on the m-tile's counter; the last
         # CTA copies the partials L2 -> shared (cp.async.cg) and resets the counter
@@ -52,7 +51,8 @@ def test_default_variants_compile(shape, bn, tmp_path):
 
 
 @pytest.mark.parametrize("bm,bn,splits,stages", [(128, 64, 4, 4), (64, 8, 16, 2),
-                                                 (128, 32, 2, 6), (64, 16, 1, 3)])
+                                                 (128, 8, 8, 8), (128, 32, 2, 6),
+                                                 (64, 64, 1, 8)])
 def test_tuning_variants_compile(bm, bn, splits, stages, tmp_path):
     n, k = SHAPES["o_proj"]
     ptx = _compile(n, k, bm, bn, splits, stages, pdl=False, tmp_path=tmp_path)
@@ -61,12 +61,13 @@ def test_tuning_variants_compile(bm, bn, splits, stages, tmp_path):
 
 def test_defaults_fill_the_gpu():
     assert [token_tile(b) for b in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 64, 64]
-    assert [dl.default_bm(bn) for bn in (8, 16, 32, 64)] == [128, 128, 64, 64]
-    # o_proj: 18 m-tiles x 16 splits = 288 CTAs, ~2 per SM; splits divide K / 64 = 64
-    assert dl.default_splits(2304, 4096, 128, H200_SMS) == 16
-    assert dl.default_splits(2304, 4096, 64, H200_SMS) == 8
-    # KDA in-projection: 99 (partial last) m-tiles x 3 splits of the 36 K tiles
-    assert dl.default_splits(12576, 2304, 128, H200_SMS) == 3
+    # o_proj: 36 m-tiles x 4 splits = 144 CTAs, ~1 per SM; splits divide K / 64 = 64
+    assert dl.default_splits(2304, 4096, 64, H200_SMS) == 4
+    assert dl.default_splits(2304, 4096, 128, H200_SMS) == 8
+    assert dl.default_splits(2304, 4096, 128, H200_SMS, ctas_per_sm=2) == 16
+    # the in-projections: 197 (partial last) and 105 m-tiles fill the GPU unsplit
+    assert dl.default_splits(12576, 2304, 64, H200_SMS) == 1
+    assert dl.default_splits(6720, 2304, 64, H200_SMS) == 1
     for (n, k) in SHAPES.values():
         for bm in dl.BMS:
             assert (k // 64) % dl.default_splits(n, k, bm, H200_SMS) == 0

@@ -4,7 +4,7 @@ streaming W at the copy rate.
 The op (contract: `pdserve.kernels.decode_linear`) is memory bound at B <= 64: every weight
 byte is read once and used by B tokens. So the MMA is swapped (weights = A, M = BM weight rows;
 tokens = B, N = the batch bucket BN, tokens past B zero-filled by TMA) and K is split so that
-the grid (m_tiles x splits) puts ~2 CTAs on every SM, each streaming its [BM, K / splits] slab.
+the grid (m_tiles x splits) puts ~1 CTA on every SM, each streaming its [BM, K / splits] slab.
 
 CTA (j, s): weight rows [BM j, BM j + BM) (the last tile's rows past N zero-filled by TMA,
 never stored), K tiles [s kps, (s + 1) kps) of BK = 64 columns (kps = K / (64 splits)).
@@ -41,14 +41,20 @@ CONSUMERS = 32 * CONSUMER_WARPS
 THREADS = CONSUMERS + 32
 BAR_CONSUMERS = 1     # named barrier of the consumer warpgroup (0 is the CTA's)
 BMS = (64, 128)
+# Defaults measured on the H200 (benchmarks/decode_linear.py --sweep): 64-row tiles (more
+# m-tiles, fewer splits, less to reduce), a 6-deep ring, ~1 CTA per SM, which leaves room on
+# every SM for the next kernel's CTAs to start streaming their weights under PDL.
+DEFAULT_BM = 64
+DEFAULT_STAGES = 6
+CTAS_PER_SM = 1
 
 
 class DecodeLinearSm90:
     """y [B, N] = x [B, K] @ W [N, K]^T for fixed (N, K), weight tile `bm`, token tile `bn`,
     `splits` K chunks and ring depth `stages`."""
 
-    def __init__(self, n: int, k: int, bm: int, bn: int, splits: int, stages: int = 4,
-                 pdl: bool = True):
+    def __init__(self, n: int, k: int, bm: int, bn: int, splits: int,
+                 stages: int = DEFAULT_STAGES, pdl: bool = True):
         if not (isinstance(n, int) and n > 0):
             raise ValueError(f"n must be a positive int, got {n!r}")
         if bm not in BMS:
@@ -272,8 +278,8 @@ _sm_counts: dict[int, int] = {}
 _scratch: dict[tuple, tuple] = {}
 
 
-def compile_variant(n: int, k: int, bm: int, bn: int, splits: int, stages: int = 4,
-                    pdl: bool = True, dump_dir: str | None = None):
+def compile_variant(n: int, k: int, bm: int, bn: int, splits: int,
+                    stages: int = DEFAULT_STAGES, pdl: bool = True, dump_dir: str | None = None):
     """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a. With
     `dump_dir` the PTX and cubin are kept there (`.artifacts`), bypassing the cache."""
     import cuda.bindings.driver as cuda
@@ -285,13 +291,7 @@ def compile_variant(n: int, k: int, bm: int, bn: int, splits: int, stages: int =
     return _cache.get(key, build, dump_dir)
 
 
-def default_bm(bn: int) -> int:
-    """128 weight rows per CTA for few tokens; 64 from BN = 32 on, which halves the partial
-    bytes the last CTA of an m-tile reads for the same grid."""
-    return 128 if bn <= 16 else 64
-
-
-def default_splits(n: int, k: int, bm: int, sms: int, ctas_per_sm: int = 2) -> int:
+def default_splits(n: int, k: int, bm: int, sms: int, ctas_per_sm: int = CTAS_PER_SM) -> int:
     """The divisor of K / 64 whose grid (m_tiles x splits) is nearest `ctas_per_sm` CTAs per SM
     (the smaller one on a tie)."""
     kt = k // BK
@@ -327,11 +327,11 @@ def sm_count(dev) -> int:
     return sms
 
 
-def launch(x, w, *, bm: int | None = None, splits: int | None = None,
-           stages: int = 4, pdl: bool = True, ctas_per_sm: int = 2):
+def launch(x, w, *, bm: int = DEFAULT_BM, splits: int | None = None,
+           stages: int = DEFAULT_STAGES, pdl: bool = True, ctas_per_sm: int = CTAS_PER_SM):
     """y [B, N] on the current torch stream (arguments validated by the guard). Tuning: `bm`
-    (weight rows per CTA, default from the token tile), `splits` (K chunks, default ~
-    `ctas_per_sm` CTAs per SM), `stages` (ring depth), `pdl` (programmatic dependent launch).
+    (weight rows per CTA), `splits` (K chunks, default ~`ctas_per_sm` CTAs per SM), `stages`
+    (ring depth), `pdl` (programmatic dependent launch).
     Launches of one variant share a workspace: run them on one stream at a time."""
     import cuda.bindings.driver as cuda
     import torch
@@ -341,7 +341,6 @@ def launch(x, w, *, bm: int | None = None, splits: int | None = None,
         raise ValueError(f"batch {B} not in 1..{MAX_TOKENS}")
     dev = x.device
     bn = token_tile(B)
-    bm = bm or default_bm(bn)
     splits = splits or default_splits(N, K, bm, sm_count(dev), ctas_per_sm)
     y = torch.empty(B, N, dtype=x.dtype, device=dev)
     ws, counters = _scratch_for(dev, N, K, bm, bn, splits)
@@ -352,5 +351,5 @@ def launch(x, w, *, bm: int | None = None, splits: int | None = None,
     return y
 
 
-__all__ = ["DecodeLinearSm90", "compile_variant", "default_bm", "default_splits", "launch",
-           "sm_count"]
+__all__ = ["DecodeLinearSm90", "compile_variant", "default_splits", "launch", "sm_count",
+           "DEFAULT_BM", "DEFAULT_STAGES", "CTAS_PER_SM"]
