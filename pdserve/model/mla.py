@@ -125,6 +125,10 @@ class MLAAttention(nn.Module):
         # its prompt is prefilled whole or in chunks (docs/design.md §6)
         rows = F.pad(rows, (0, 0, 0, -rows.shape[0] % NAIVE_ROWS))
         T, L = q.shape[0], rows.shape[0]
+        # and queries on at least MIN_ROWS rows, as `_absorb`'s: below that the products round
+        # by row count (a chunk's or a prefix hit's last few rows)
+        if T < MIN_ROWS and q.device.type == "cpu":
+            return self._naive(F.pad(q, (0, 0, 0, 0, 0, MIN_ROWS - T)), rows, context)[:T]
         kv = (rows[:, :self.rank] @ self.kv_b_proj.weight.float().t()).view(
             L, self.heads, self.nope + self.v_dim)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
