@@ -26,7 +26,10 @@ def _check(fn):
                                                    (512, "none", 0, False),
                                                    (7168, "pairs", 17, True)])
 def test_add_rmsnorm_compiles(dim, delta, slots, write, tmp_path):
-    _check(norm.compile_variant(dim, delta, slots, write, dump_dir=str(tmp_path)))
+    fn = norm.compile_variant(dim, delta, slots, write, dump_dir=str(tmp_path))
+    _check(fn)
+    ptx = fn.artifacts.PTX
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")   # PDL: wait first
 
 
 @pytest.mark.parametrize("experts_,top_k,shared,bias", [(256, 8, 1, True), (32, 4, 1, False),

@@ -23,12 +23,14 @@ DELTAS = ("none", "rows", "pairs")
 
 
 class AddRmsNormSm90:
-    def __init__(self, dim: int, delta: str, slots: int, write_residual: bool):
+    def __init__(self, dim: int, delta: str, slots: int, write_residual: bool,
+                 pdl: bool = True):
         if delta not in DELTAS:
             raise ValueError(f"delta must be one of {DELTAS}, got {delta!r}")
         if dim % VEC or dim <= 0:
             raise ValueError(f"dim must be a positive multiple of {VEC}, got {dim}")
         self.D, self.delta, self.S, self.write_residual = dim, delta, slots, write_residual
+        self.pdl = pdl
         nvec = dim // VEC
         self.THREADS = min(1024, -(-nvec // WARP) * WARP)
         self.NV = -(-nvec // self.THREADS)          # vectors per thread
@@ -42,7 +44,7 @@ class AddRmsNormSm90:
                  s_out: Int32, s_rout: Int32, eps: Float32, stream):
         self.kernel(residual, delta, token_pair, pair_weight, weight, out, residual_out,
                     s_res, s_delta, s_out, s_rout, eps).launch(
-            grid=[B, 1, 1], block=[self.THREADS, 1, 1], stream=stream)
+            grid=[B, 1, 1], block=[self.THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, residual: cute.Pointer, delta: cute.Pointer, token_pair: cute.Pointer,
@@ -62,6 +64,10 @@ class AddRmsNormSm90:
         rA = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         rR.fill(0.0)
         ssq = Float32(0.0)
+        if cutlass.const_expr(self.pdl):
+            # launched early after moe_experts' down stage (it triggers once its loads are
+            # issued); its rows are read only after it completes
+            cute.arch.griddepcontrol_wait()
         for j in cutlass.range_constexpr(NV):
             v = j * self.THREADS + tidx
             if v < self.NVEC:
@@ -116,27 +122,28 @@ _SPECS = ((BFloat16, 16), (BFloat16, 16), (Int32, 4), (Float32, 4), (BFloat16, 1
 
 
 def compile_variant(dim: int, delta: str, slots: int, write_residual: bool,
-                    dump_dir: str | None = None):
+                    pdl: bool = True, dump_dir: str | None = None):
     """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a. With
     `dump_dir` the PTX and cubin are kept there (`.artifacts`), bypassing the cache."""
     import cuda.bindings.driver as cuda
-    key = (dim, delta, slots, write_residual)
+    key = (dim, delta, slots, write_residual, pdl)
 
     def build(**opts):
-        kern = AddRmsNormSm90(dim, delta, slots, write_residual)
+        kern = AddRmsNormSm90(*key)
         return cute.compile(kern, *fake_ptrs(_SPECS), Int32(1), Int32(1), Int32(1), Int32(1),
                             Int32(1), Float32(1e-6), cuda.CUstream(0), **opts)
     return _cache.get(key, build, dump_dir)
 
 
 def launch(residual, delta, weight, eps, out, residual_out=None, token_pair=None,
-           pair_weight=None):
-    """The kernel on the current torch stream (arguments validated by the guard)."""
+           pair_weight=None, pdl: bool = True):
+    """The kernel on the current torch stream (arguments validated by the guard); `pdl`:
+    programmatic dependent launch (the CTAs start during the previous kernel's tail)."""
     import cuda.bindings.driver as cuda
     import torch
     kind = "none" if delta is None else ("rows" if token_pair is None else "pairs")
     slots = token_pair.shape[1] if token_pair is not None else 0
-    fn = compile_variant(residual.shape[1], kind, slots, residual_out is not None)
+    fn = compile_variant(residual.shape[1], kind, slots, residual_out is not None, pdl)
     dummy = residual
     tensors = (residual, delta if delta is not None else dummy,
                token_pair if token_pair is not None else dummy,
