@@ -43,6 +43,7 @@ CASES = [
     ("none", tokens(100, 5), 0),
     ("block-end", A[:192], 128),              # the last block is prefilled again for its logits
     ("one-over", A[:193], 128),               # a one-token rest would take the decode forms
+    ("short-rest", A[:130], 128),             # a rest of 2 rows (MLA pads its queries)
     ("continued", A + R, 192),                # the next turn: past the first prompt's blocks
     ("other", A + R2, 192),                   # the same prefix, another continuation
     ("turn-3", A + R + tokens(30, 6), 256),   # "continued"'s fourth block was cached too
