@@ -145,3 +145,26 @@ def test_registry_serves_the_kernel_and_refuses_bad_calls():
     big = torch.zeros(65, 4096, dtype=torch.bfloat16, device="cuda")
     res = registry.resolve(OP, "cutedsl", decode_linear_problem(big, w))
     assert "batch 65" in res.fallback_reason
+
+
+@pytest.mark.parametrize("B", [1, 17, 64])
+def test_chained_launches_of_one_variant(B):
+    """Layers of one shape share a variant's workspace and counters: back-to-back launches on
+    different weights (PDL between them), eager and in one graph, each get their own result."""
+    x, _ = _inputs(B, 2304, 4096, "random", seed=7 * B)
+    ws = [_inputs(1, 2304, 4096, "random", seed=s)[1] for s in range(4)]
+
+    def run():
+        return [decode_linear_cutedsl(x, w) for w in ws]
+
+    eager = run()
+    torch.cuda.synchronize()
+    for y, w in zip(eager, ws):
+        _check_close(y, x, w)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = run()
+    for _ in range(2):
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, e) for o, e in zip(outs, eager))
