@@ -57,12 +57,15 @@ class _Entry:
 
 
 class Hit(msgspec.Struct, frozen=True):
-    """What a request takes from the cache: its first `tokens` prompt tokens' state."""
+    """What a request takes from the cache: its first `tokens` prompt tokens' state. `shared`:
+    how far its blocks are cached at all (past `tokens` where they have no checkpoint): where
+    its prompt leaves the cached one's, so it takes a checkpoint there for the next."""
 
     tokens: int = 0
     pages: list[int] = []
     slot: int = 0           # the checkpoint at `tokens` (0: no hit)
     keys: list[int] = []    # entries pinned for the request
+    shared: int = 0
 
 
 class PrefixChanges(msgspec.Struct, frozen=True):
@@ -162,12 +165,15 @@ class PrefixCache:
         """(key, token bytes) of each full block of `prompt`."""
         return block_keys(self._root, self.block, prompt)
 
-    def stops(self, length: int, start: int) -> list[int]:
+    def stops(self, length: int, start: int, shared: int = 0) -> list[int]:
         """The positions after `start` where a prompt of `length` tokens takes checkpoints:
-        every `interval` blocks and at its last full block (where the conversation's next turn
-        starts), where the state there can be cut bit-exactly."""
+        every `interval` blocks, at its last full block (where the conversation's next turn
+        starts) and at `shared` (where it leaves a cached prompt: the next request with that
+        prefix hits all of it, not just up to the interval), where the state there can be cut
+        bit-exactly."""
         full = length // self.block
-        ends = [b * self.block for b in range(1, full + 1) if b % self.interval == 0 or b == full]
+        ends = [b * self.block for b in range(1, full + 1)
+                if b % self.interval == 0 or b == full or b * self.block == shared]
         return [p for p in ends if p > start and p % UNIT == 0
                 and (p == length or resumable(p, length))]
 
@@ -181,13 +187,13 @@ class PrefixCache:
                 if e is None or e.tokens != data:
                     break
                 chain.append(key)
-            k = len(chain)
+            k = shared = len(chain)
             while k and not (self._entries[chain[k - 1]].slot
                              and resumable(k * self.block, len(prompt))):
                 k -= 1
             if not k:
                 self.counts["misses"] += 1
-                return Hit()
+                return Hit(shared=shared * self.block)
             keys = chain[:k]
             for key in keys:
                 self._entries[key].refs += 1
@@ -195,7 +201,7 @@ class PrefixCache:
             self.counts["hits"] += 1
             self.counts["tokens_saved"] += k * self.block
             return Hit(k * self.block, [self._entries[key].page for key in keys],
-                       self._entries[keys[-1]].slot, keys)
+                       self._entries[keys[-1]].slot, keys, shared * self.block)
 
     def insert(self, prompt: list[int], pages: list[int], checkpoints: dict[int, int],
                hit: Hit) -> tuple[list[int], set[int], set[int]]:
@@ -219,6 +225,13 @@ class PrefixCache:
                     self._entries.move_to_end(key)
                     keys.append(key)
                     parent = key
+                    slot = checkpoints.get((i + 1) * self.block, 0)
+                    if not e.slot and slot and self._evict_until(
+                            lambda: self.bytes + self.slot_bytes <= self.max_bytes):
+                        e.slot = slot  # the checkpoint where this prompt left the cached one
+                        self.bytes += self.slot_bytes
+                        slots_taken.add(slot)
+                        self._note(key, True)
                     continue
                 slot = checkpoints.get((i + 1) * self.block, 0)
                 need = self.page_bytes + (self.slot_bytes if slot else 0)
