@@ -130,7 +130,8 @@ class PrefillRank:
                 results.append(PrefillResult(
                     req.request_id, error=f"{type(exc).__name__}: {exc}", exc=exc))
                 continue
-            stops = (self.cache.stops(len(seq.prompt), seq.table.num_tokens)
+            stops = (self.cache.stops(len(seq.prompt), seq.table.num_tokens,
+                                      self.cached[seq.request_id].hit.shared)
                      if self.cache else [])
             self.scheduler.add(seq, stops)
             self.prefilling[seq.request_id] = req.params
@@ -176,7 +177,9 @@ class PrefillRank:
         """Snapshot `seq`'s KDA state where a stop ended its chunk (skipped when no slot is
         free, even after evicting)."""
         pos = seq.table.num_tokens
-        if pos not in self.cache.stops(len(seq.prompt), pos - 1) or not self.cache.make_room(0, 1):
+        shared = self.cached[seq.request_id].hit.shared
+        if (pos not in self.cache.stops(len(seq.prompt), pos - 1, shared)
+                or not self.cache.make_room(0, 1)):
             return
         try:
             slot = self.engine.pools.slots.allocate(1)[0]
