@@ -123,6 +123,27 @@ def test_checkpoints_every_interval_and_at_the_last_full_block():
     r.close()
 
 
+def test_where_a_prompt_leaves_a_cached_one_it_takes_a_checkpoint():
+    """Agents' prompts share a prefix that ends in no checkpoint (here 15 blocks, under the
+    16-block interval): the second sighting misses but checkpoints where it leaves the first
+    prompt, so the third hits the whole shared prefix."""
+    r, p = rank(PrefixCacheConfig()), SamplingParams(max_tokens=8)
+    shared = tokens(990, 23)  # 15 full blocks, then each prompt's own 110 tokens
+    assert r.cache.stops(1100, 0) == [1024, 1088]
+    assert r.cache.stops(1100, 0, 960) == [960, 1024, 1088]
+    got = []
+    for i in range(4):
+        [res] = r.prefill([Request(f"s{i}", shared + tokens(110, 50 + i), p)], [r.info()])
+        assert res.error is None, res.error
+        r.cancel(f"s{i}")
+        got.append((r.stats()["prefix_tokens_saved"], r.stats()["prefix_checkpoints"]))
+    # s1 misses and adds one at 960 to the cached block (and its own two); s2 and s3 hit 960
+    assert got == [(0, 2), (0, 5), (960, 7), (1920, 9)]
+    assert r.stats()["held"] == 0
+    assert r.stats()["slots_free"] + 9 == r.stats()["slots_total"]
+    r.close()
+
+
 def test_stops_cut_the_chunks():
     r = rank(None)
     s = r.engine.admit(Request("s", [i % 256 for i in range(300)], SamplingParams(max_tokens=8)))
