@@ -70,9 +70,9 @@ class PrefillSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_pages: int = 256
     num_slots: int = 16
     conv_layout: Literal["SD", "DS"] = "SD"    # vllm: VLLM_SSM_CONV_STATE_LAYOUT
-    # reference engine: the budget of one prefill step (chunked prefill, a chunk from position p
-    # costing 1 + p/2048 per token), a multiple of 16; 0 = each prompt whole in one step (a long
-    # prompt then holds up every prompt behind it)
+    # reference engine: the budget of one prefill step (chunked prefill, a chunk from a position
+    # p past 2048 costing p/2048 per token), a multiple of 16; 0 = each prompt whole in one step
+    # (a long prompt then holds up every prompt behind it)
     chunk_tokens: int = 768
     # reference engine: the prefix cache of each rank (docs/design.md §6)
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()

@@ -1,9 +1,10 @@
 """Chunked prefill: which prompt tokens each step of a reference prefill rank runs.
 
 A step runs prompt tokens of any number of prompts, in one forward, up to a `budget`: a chunk
-starting at position p costs 1 + p / `CONTEXT_TOKENS` per token, as its MLA attention reads the
-whole context before it (expanded again in every step), so a step deep into a long prompt takes
-fewer tokens, and takes about as long as one at its start. Prompts whose rest fits go first, fewest tokens
+starting at position p costs a token per token, or p / `CONTEXT_TOKENS` per token once p passes
+`CONTEXT_TOKENS`, as its MLA attention reads the whole context before it (expanded again in
+every step), so a step deep into a long prompt takes fewer tokens and takes about as long as one
+near its start. Prompts whose rest fits go first, fewest tokens
 left first, and a step that finishes any prompt runs only those: a short prompt that arrives
 while a long one prefills waits for the step under way and then runs alone, not beside the long
 one's next chunk. The oldest prompt in progress, when the step before left it out (or when
@@ -24,15 +25,16 @@ from pdserve.model.generate import Sequence
 from pdserve.model.kda_ops import CHUNK_TOKENS
 
 UNIT = CHUNK_TOKENS
-# The context length at which a prompt token's MLA attention costs as much as the rest of its
-# forward (the tiny preset on the CPU: a 64-token step costs ~16 ms at position 0 and ~72 ms at
-# 15K, about 2.4K tokens per doubling; rounded down).
+# The context length from which a prompt token's MLA attention costs about as much as the rest
+# of its forward, and the cost grows with it (the tiny preset on the CPU: a 64-token step takes
+# ~16 ms at position 0 and ~72 ms at 15K; rounded down).
 CONTEXT_TOKENS = 2048
 
 
-def cost(pos: int, n: int) -> float:
-    """What a chunk of `n` prompt tokens from position `pos` costs of a step's budget."""
-    return n * (1 + pos / CONTEXT_TOKENS)
+def cost(pos: int, n: int) -> int:
+    """What a chunk of `n` prompt tokens from position `pos` costs of a step's budget: a token
+    each within `CONTEXT_TOKENS` of context, pos / `CONTEXT_TOKENS` each (rounded up) past it."""
+    return -(-n * max(pos, CONTEXT_TOKENS) // CONTEXT_TOKENS)
 
 
 def check_budget(budget: int | None) -> None:
@@ -83,9 +85,9 @@ class ChunkScheduler:
             return [(s, s.prompt[s.table.num_tokens:self._end(s)]) for s in self._seqs]
         if not self._seqs:
             return []
-        oldest, take, used = self._seqs[0], {}, 0.0
+        oldest, take, used = self._seqs[0], {}, 0
         if self._left_out == oldest.request_id:
-            take[oldest.request_id] = n = _cut(oldest, 0.0, self._end(oldest), unit=True)
+            take[oldest.request_id] = n = _cut(oldest, 0, self._end(oldest), unit=True)
             used = cost(oldest.table.num_tokens, n)
         order = sorted(self._seqs, key=_left)  # stable: ties go in arrival order
         for s in order:  # the prompts whose rest fits, fewest tokens left first
@@ -103,7 +105,7 @@ class ChunkScheduler:
                     used += cost(pos, n) - cost(pos, had)
                     take[s.request_id] = n
         if not take:  # nothing fits (a tight budget deep into a prompt): one unit
-            take[oldest.request_id] = _cut(oldest, 0.0, self._end(oldest), unit=True)
+            take[oldest.request_id] = _cut(oldest, 0, self._end(oldest), unit=True)
         self._left_out = None if take.get(oldest.request_id) else oldest.request_id
         return [(s, s.prompt[s.table.num_tokens:s.table.num_tokens + take[s.request_id]])
                 for s in self._seqs if take.get(s.request_id)]
@@ -113,7 +115,7 @@ def _left(seq: Sequence) -> int:
     return len(seq.prompt) - seq.table.num_tokens
 
 
-def _cut(seq: Sequence, allowance: float, total: int, unit: bool = False) -> int:
+def _cut(seq: Sequence, allowance: int, total: int, unit: bool = False) -> int:
     """How many of `seq`'s next prompt tokens, up to position `total` (its prompt's end or a
     stop), fit `allowance` (`cost`) with the chunk cut where the result stays bit-exact (module
     docstring); 0 if none do. `unit`: at least one unit, whatever it costs."""
