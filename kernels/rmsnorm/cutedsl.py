@@ -65,8 +65,10 @@ class AddRmsNormSm90:
         rR.fill(0.0)
         ssq = Float32(0.0)
         if cutlass.const_expr(self.pdl):
-            # launched early after moe_experts' down stage (it triggers once its loads are
-            # issued); its rows are read only after it completes
+            # the next projection (decode_linear) may launch now and request its first weight
+            # tiles; this kernel was itself launched early after moe_experts' down stage (it
+            # triggers once its loads are issued): its rows are read only after it completes
+            cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
         for j in cutlass.range_constexpr(NV):
             v = j * self.THREADS + tidx
