@@ -4,6 +4,10 @@
 Built once from a loaded `HybridModel` (TP = 1), whose weights it re-lays out in place: the
 parameters become views of concatenated tensors, so nothing is duplicated and the model's own
 forward (the oracle) still reads the same values.
+  - the projections (KDA's and MLA's in and out, a dense MLP's) are `decode_linear` (a split-K
+    weight-streaming GEMM with the tokens in the MMA's N, PDL-launched: its first weight tiles
+    are requested while the previous kernel runs); the router and the LM head, with fp32
+    outputs, and the small batched GEMMs stay cuBLAS.
   - KDA: q, k, v, f_a, g_a, b_proj as one [3HD + 2D + H, hidden] weight (one GEMM); f_b and
     g_b stacked [2, HD, D] (one batched GEMM); then the fused KDA op (conv, gates, delta rule,
     gated norm) and o_proj.
@@ -25,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import registry
-from pdserve.kernels import kda_decode, latent_store, mla_decode, moe_experts, moe_route, rmsnorm
+from pdserve.kernels import (decode_linear, kda_decode, latent_store, mla_decode, moe_experts,
+                             moe_route, rmsnorm)
 from pdserve.model.batch import DecodeBatch
 from pdserve.model.model import HybridModel, NotSupportedYet
 from pdserve.state.pools import StatePools
@@ -50,6 +55,10 @@ class _Ops:
             pairs = dict(token_pair=tp, pair_weight=pw)
         return self._run(rmsnorm.OP, rmsnorm.add_rmsnorm_problem, residual, delta, weight, eps,
                          out, residual_out, **pairs)
+
+    def linear(self, x, w):
+        """x @ w.T (bf16) for the step's projections."""
+        return self._run(decode_linear.OP, decode_linear.decode_linear_problem, x, w)
 
     def route(self, *args):
         return self._run(moe_route.OP, moe_route.moe_route_problem, *args)
@@ -108,7 +117,7 @@ class _Kda:
 
     def __call__(self, h, batch: DecodeBatch, pools: StatePools, idx: int):
         a, HD, D, H = self.a, self.HD, self.D, self.H
-        y = h @ self.w_in.t()
+        y = self.ops.linear(h, self.w_in)
         B = y.shape[0]
         fg = torch.bmm(y[:, 3 * HD:3 * HD + 2 * D].view(B, 2, D).transpose(0, 1), self.w_fg)
         pool = pools.slots
@@ -116,7 +125,7 @@ class _Kda:
                            y[:, 3 * HD + 2 * D:], self.conv_w, a.A_log.view(H), a.dt_bias,
                            a.o_norm.weight, a.eps, a.lower_bound, pool.recurrent[idx],
                            pool.conv[idx], batch.kda_slots, pool.layout)
-        return out.to(h.dtype) @ a.o_proj.weight.t()
+        return self.ops.linear(out.to(h.dtype), a.o_proj.weight)
 
 
 class _Mla:
@@ -133,7 +142,7 @@ class _Mla:
     def __call__(self, h, batch: DecodeBatch, pools: StatePools, idx: int):
         a, R, nope = self.a, self.a.rank, self.a.nope
         pool = pools.latent
-        y = h @ self.w_in.t()
+        y = self.ops.linear(h, self.w_in)
         B = y.shape[0]
         q = y[:, :self.Hq].view(B, a.heads, nope + a.rope)
         self.ops.store(y[:, self.Hq:], a.kv_a_layernorm.weight, a.kv_a_layernorm.eps,
@@ -146,18 +155,19 @@ class _Mla:
                               a.scale, pool.scale if pool.is_fp8 else None,
                               max_seq_len=batch.pages.shape[1] * pool.page_tokens)
         o = torch.bmm(lat.to(h.dtype).transpose(0, 1), self.w_uv_t)        # [H, B, v]
-        return o.transpose(0, 1).reshape(B, -1) @ a.o_proj.weight.t()
+        return self.ops.linear(o.transpose(0, 1).reshape(B, -1), a.o_proj.weight)
 
 
 class _Mlp:
-    def __init__(self, mlp):
+    def __init__(self, mlp, ops: _Ops):
+        self.ops = ops
         self.w13 = _concat([mlp.gate_proj, mlp.up_proj])
         self.w2 = mlp.down_proj.weight
         self.inter = mlp.gate_proj.weight.shape[0]
 
     def __call__(self, h):
-        gu = h @ self.w13.t()
-        return (F.silu(gu[:, :self.inter]) * gu[:, self.inter:]) @ self.w2.t()
+        gu = self.ops.linear(h, self.w13)
+        return self.ops.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.w2)
 
 
 class _Moe:
@@ -227,7 +237,7 @@ class FusedDecodeStep:
         for layer, idx in zip(model.model.layers, model.cache_index):
             attn = (_Kda if layer.is_kda else _Mla)(layer.self_attn, self.ops)
             ffn = (_Moe(layer.block_sparse_moe, self.ops) if hasattr(layer, "block_sparse_moe")
-                   else _Mlp(layer.mlp))
+                   else _Mlp(layer.mlp, self.ops))
             self.layers.append((layer, idx, attn, ffn))
 
     def layer(self, i: int, x, delta, h, batch: DecodeBatch):
