@@ -1,7 +1,9 @@
 """Decode context parallelism (docs/design.md §3, §5 DCP): the LSE merge of partial attention is
-exact, and a decode instance of TP 2 / DCP 2 (Ray rank actors, gloo, state over NIXL) gives the
-DCP 1 tokens (the monolithic loop's), greedy and seeded, from prefill TP 1 and 2, at interleave 1
-and larger; settings DCP cannot run are refused naming the numbers."""
+exact; decode instances of TP 2 / DCP 2 and TP 4 / DCP 4 (Ray rank actors, gloo, state over
+NIXL) give the DCP 1 tokens (the monolithic loop's), greedy and seeded, from prefill TP 1 and 2,
+at interleave 1 and larger; `pdserve capacity --config` and `pdserve check` predict exactly what
+a live instance admits at DCP 1, 2 and 4; settings DCP cannot run are refused naming the
+numbers."""
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -9,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import pytest
 import torch
 
+from pdserve.decode.capacity import pool_capacity
 from pdserve.model.config import preset, reduced_kimi_linear
 from pdserve.model.mla import merge_partials
-from pdserve.model.sampling import Request
+from pdserve.model.sampling import Request, SamplingParams
 from pdserve.state.block_table import Topology
 from pdserve.transfer.dest import TransferConfig
 
@@ -76,36 +79,40 @@ CONFIGS = {"tiny": lambda: preset("tiny"),
            "kimi-linear-reduced": lambda: reduced_kimi_linear(2, 4, 2, vocab_size=512)}
 
 
-class DCPCluster:
-    """Prefill instances of TP 1 and 2 and one decode instance of TP 2 / DCP 2 per interleave,
-    for one model; the decode loops run in the decode instances' rank 0."""
+NUM_PAGES, NUM_SLOTS = 33, 10   # per decode rank: 32 usable pages, 9 slots
 
-    def __init__(self, name, interleaves):
+
+class DCPCluster:
+    """Prefill instances of TP 1 and 2 and decode instances of the given topologies (pools of
+    NUM_PAGES / NUM_SLOTS per rank) for one model, started side by side; the decode loops run in
+    the decode instances' rank 0 (`serve_decode`, as `pdserve serve` starts them)."""
+
+    def __init__(self, name, topologies):
         from pdserve.cluster.actors import SourceDigests, start_instance
         self.config = CONFIGS[name]()
-        common = dict(config=self.config, layout=LAYOUT, seed=5, num_pages=48, num_slots=8)
-        self.instances, self.prefill, self.slots = [], {}, {}
+        common = dict(config=self.config, layout=LAYOUT, seed=5)
+        self.instances, self.prefill, self.slots, self.decode = [], {}, {}, {}
         start = lambda role, tag, tp, **kw: self._keep(start_instance(
             role, f"{role}-dcp-{name}-{tag}", 0, tp, {**common, **kw}, 0.25, 0, 120, threads=1))
         try:
-            with ThreadPoolExecutor(4) as pool:  # the instances start side by side
-                decs = {il: pool.submit(start, "decode", f"il{il}", 2, topology=Topology(2, 2, il),
-                                        transfer=TransferConfig(verify=True))
-                        for il in interleaves}
-                # pages laid out for the last decode topology (the other reads shorter runs)
-                pres = {p: pool.submit(start, "prefill", f"p{p}", p,
-                                       decode_topology=Topology(2, 2, interleaves[-1]))
+            with ThreadPoolExecutor(4) as pool:
+                decs = {t: pool.submit(start, "decode", f"tp{t.tp}-il{t.interleave}", t.tp,
+                                       topology=t, num_pages=NUM_PAGES, num_slots=NUM_SLOTS,
+                                       transfer=TransferConfig(verify=True))
+                        for t in topologies}
+                # pages laid out for the widest decode topology (the others read shorter runs)
+                pres = {p: pool.submit(start, "prefill", f"p{p}", p, num_pages=48, num_slots=12,
+                                       decode_topology=topologies[-1])
                         for p in (1, 2)}
                 wait(list(decs.values()) + list(pres.values()))
-            self.slots = {il: (f.result(), Topology(2, 2, il)) for il, f in decs.items()}
+            self.decode = {t: f.result() for t, f in decs.items()}
             self.prefill = {p: f.result() for p, f in pres.items()}
-            for dec, topo in list(self.slots.values()):
+            for dec in self.decode.values():
                 for pre in self.prefill.values():
                     pre.ranks.call("connect", dec.agents)
             digests = SourceDigests(list(self.prefill.values()))
-            self.decode = {il: dec for il, (dec, _) in self.slots.items()}
-            self.slots = {il: _served(dec, self.config, topo, digests=digests)
-                          for il, (dec, topo) in self.slots.items()}
+            self.slots = {t: _served(dec, self.config, t, max_batch=NUM_SLOTS - 1,
+                                     digests=digests) for t, dec in self.decode.items()}
         except BaseException:
             self.close()
             raise
@@ -114,18 +121,27 @@ class DCPCluster:
         self.instances.append(inst)
         return inst
 
-    def run(self, p, interleave, prompts, params):
-        pre, slot = self.prefill[p], self.slots[interleave]
-        reqs = [Request(f"p{p}-il{interleave}-r{i}", pr, sp)
+    def handles(self, p, tag, prompts, params):
+        reqs = [Request(f"p{p}-{tag}-r{i}", pr, sp)
                 for i, (pr, sp) in enumerate(zip(prompts, params))]
-        results = pre.ranks.call("prefill", reqs, pre.agents)[0]
+        results = self.prefill[p].ranks.call("prefill", reqs, self.prefill[p].agents)[0]
         assert all(r.error is None for r in results), results
+        return [r.handle for r in results]
+
+    def run(self, p, topo, prompts, params):
+        """Decode `prompts` prefilled at TP p on the instance of `topo`: their tokens."""
+        handles = self.handles(p, f"tp{topo.tp}-il{topo.interleave}", prompts, params)
 
         async def main():
-            return await asyncio.gather(*[_collect(slot, r.handle) for r in results])
+            return await asyncio.gather(*[_collect(self.slots[topo], h) for h in handles])
         out = asyncio.run(main())
-        dec = self.decode[interleave]
-        deadline = time.monotonic() + 20
+        self.settle(p, topo)
+        return out
+
+    def settle(self, p, topo, limit_s=20.0):
+        """Wait until the decode instance's pools and the prefill's state are empty again."""
+        dec, pre = self.decode[topo], self.prefill[p]
+        deadline = time.monotonic() + limit_s
         while not all(st["running"] == 0 and st["pages_free"] == st["pages_total"]
                       for st in dec.ranks.call("stats")):
             assert time.monotonic() < deadline, "decode state not freed on every DCP rank"
@@ -134,12 +150,10 @@ class DCPCluster:
             assert time.monotonic() < deadline, "source state not freed after the transfer"
             pre.ranks.call("poll")
             time.sleep(0.01)
-        return out
 
     def close(self):
         for slot in self.slots.values():
-            if hasattr(slot, "close"):
-                slot.close()
+            slot.close()
         for inst in self.instances:
             inst.kill()
 
@@ -151,36 +165,42 @@ def _served(dec, config, topology, max_batch=4, **engine):
     return DecodeSlot(dec, serve_decode(dec, engine, max_batch, 16))
 
 
+DCP1, DCP2, DCP4 = Topology(1), Topology(2, 2, 1), Topology(4, 4, 16)
+
+
 @pytest.fixture(scope="module")
 def tiny_cluster(ray_session):
-    cluster = DCPCluster("tiny", [1, 64])
+    cluster = DCPCluster("tiny", [DCP1, DCP2, DCP4])
     yield cluster
     cluster.close()
 
 
-@pytest.mark.parametrize("p,interleave", [(1, 1), (2, 1), (1, 64), (2, 64)])
-def test_tiny_dcp2_tokens_equal_dcp1(tiny_cluster, p, interleave):
+@pytest.mark.parametrize("p,topo", [(1, DCP2), (2, DCP2), (1, DCP4), (2, DCP4)],
+                         ids=["1to2-il1", "2to2-il1", "1to4-il16", "2to4-il16"])
+def test_tiny_dcp_tokens_equal_dcp1(tiny_cluster, p, topo):
+    """TP 2 / DCP 2 at interleave 1 and TP 4 / DCP 4 at 16, from prefill TP 1 and 2: the
+    150-token prompt has rows on every rank, the 1-token one on rank 0 only until it decodes."""
     want = monolithic(tiny_cluster.config, DCP_PROMPTS, DCP_PARAMS)
-    assert tiny_cluster.run(p, interleave, DCP_PROMPTS, DCP_PARAMS) == want
+    assert tiny_cluster.run(p, topo, DCP_PROMPTS, DCP_PARAMS) == want
 
 
 @pytest.mark.parametrize("p", [1, 2])
 def test_kimi_linear_reduced_dcp2_tokens_equal_dcp1(ray_session, p):
-    """At interleave 16 the 38-token prompt already spans both ranks (the 150-token one
-    would only add prefill time at 32 heads)."""
+    """TP 2 / DCP 2 at interleave 16, where the 38-token prompt already spans both ranks (the
+    150-token one would only add prefill time at 32 heads)."""
     cluster = kimi_cluster()
     prompts = [[t % 512 for t in pr] for pr in PROMPTS]
     want = monolithic(cluster.config, prompts, PARAMS)
-    assert cluster.run(p, 16, prompts, PARAMS) == want
+    assert cluster.run(p, Topology(2, 2, 16), prompts, PARAMS) == want
 
 
 _KIMI: list = []
 
 
 def kimi_cluster():
-    """One reduced kimi-linear cluster (interleave 16) for the module, started on first use."""
+    """One reduced kimi-linear cluster for the module, started on first use."""
     if not _KIMI:
-        _KIMI.append(DCPCluster("kimi-linear-reduced", [16]))
+        _KIMI.append(DCPCluster("kimi-linear-reduced", [Topology(2, 2, 16)]))
     return _KIMI[0]
 
 
@@ -189,6 +209,77 @@ def _close_kimi():
     yield
     while _KIMI:
         _KIMI.pop().close()
+
+
+# -- capacity: `pdserve capacity --config` / `pdserve check` against what the instance admits --
+
+PROMPT, OUTPUT = 30, 994        # 1,024 tokens reserved per request: 16 pages of 64 at DCP 1
+
+
+def predicted(topo: Topology) -> int:
+    return pool_capacity(NUM_PAGES, NUM_SLOTS, NUM_SLOTS - 1, topo, LAYOUT.page_tokens, PROMPT,
+                         OUTPUT).admitted
+
+
+def live_admitted(slot, handles, limit_s: float = 120.0) -> tuple[int, list[str]]:
+    """Submit every handle at once; (how many the instance admitted, the refusals' errors).
+    An admitted request keeps decoding (994 tokens) until every one is decided, then leaves
+    (which cancels it)."""
+    async def main():
+        decided, done = [], asyncio.Event()
+
+        async def probe(h):
+            async for ev in slot.stream(h, h.request_id, deadline_s=limit_s):
+                if ev.error is not None:
+                    decided.append(ev.error)
+                    break
+                if ev.token is not None:
+                    decided.append(None)
+                    if len(decided) == len(handles):
+                        done.set()
+                    await asyncio.wait_for(done.wait(), limit_s)
+                    break
+            if len(decided) == len(handles):
+                done.set()
+        await asyncio.gather(*[probe(h) for h in handles])
+        return decided
+    got = asyncio.run(main())
+    return got.count(None), [e for e in got if e is not None]
+
+
+@pytest.mark.parametrize("topo", [DCP1, DCP2, DCP4], ids=["dcp1", "dcp2", "dcp4-il16"])
+def test_live_admission_equals_the_capacity_prediction(tiny_cluster, topo):
+    """predicted + 1 requests of 30 + 994 tokens at once: exactly the predicted count is
+    admitted (2 x DCP: the pages bind, 16 / DCP per request of 32 per rank) and the next is
+    refused with PoolExhausted (the router's 429)."""
+    want = predicted(topo)
+    assert want == 2 * topo.dcp
+    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True)
+    handles = tiny_cluster.handles(1, f"cap{topo.dcp}",
+                                   [[(7 * i + t) % 256 for t in range(PROMPT)]
+                                    for i in range(want + 1)], [params] * (want + 1))
+    admitted, refused = live_admitted(tiny_cluster.slots[topo], handles)
+    assert admitted == want
+    assert len(refused) == 1 and "no room" in refused[0], refused
+    for h in handles:  # the refused request's source state (the router cancels it so too)
+        tiny_cluster.prefill[1].ranks.call("cancel", h.request_id)
+    tiny_cluster.settle(1, topo)
+
+
+def test_check_and_capacity_print_the_same_admission_figure(tmp_path, capsys):
+    from pdserve.cli import main
+    cfg = tmp_path / "dcp.toml"
+    cfg.write_text(f'mode = "disaggregated"\n[model]\nname = "tiny"\n[state]\n'
+                   f'latent_dtype = "float32"\nconv_dtype = "float32"\n'
+                   f'[prefill]\nnum_pages = 40\n[decode]\ntp = 4\ndcp = 4\ninterleave = 16\n'
+                   f'num_pages = {NUM_PAGES}\nnum_slots = {NUM_SLOTS}\n')
+    args = ["--config", str(cfg), "--context-tokens", str(PROMPT), "--output-tokens", str(OUTPUT)]
+    assert main(["capacity", *args]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"admits {predicted(DCP4)} concurrent request(s) of 1,024 tokens"), line
+    assert main(["check", *args]) == 0
+    # p = 1 -> d = 4 stages conv state: the admission in flight holds a second slot (9 - 1 = 8)
+    assert line in capsys.readouterr().out.splitlines()
 
 
 def test_impossible_dcp_settings_are_refused_naming_the_numbers():
