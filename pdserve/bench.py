@@ -20,7 +20,15 @@ the server counted).
 Workloads: `fixed` (--prompt-tokens in, --output-tokens out), `uniform` (lengths uniform in
 [--prompt-tokens, --prompt-tokens-max] and [--output-tokens, --output-tokens-max]), `agentic`
 (one --prefix-tokens prefix shared by every request + a random --suffix-tokens suffix each: agents
-whose system prompt and tool context repeat across turns).
+whose system prompt and tool context repeat across turns), `multiturn` (conversations, one per
+request in flight, each turn one request: the first turn is the shared prefix + a suffix, every
+next one the previous turn's prompt + its answer + a new --suffix-tokens suffix).
+
+Where the server exports the prefix cache's metrics (`pdserve_prefix_cache_*` on /metrics), each
+level also records the cache's hits, misses and tokens saved during it, its hit rate and the
+prompt tokens prefilled (`pdserve_prompt_tokens_total` less the tokens saved); the unmeasured
+first request has primed the cache with the shared prefix, so a level's hit rate is that of the
+requests after the first.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import importlib.util
 import json
 import platform
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -42,13 +51,17 @@ import httpx
 import numpy as np
 
 PRINTABLE = "".join(map(chr, range(32, 127)))
-WORKLOADS = ("fixed", "uniform", "agentic")
+WORKLOADS = ("fixed", "uniform", "agentic", "multiturn")
+PREFIXED = ("agentic", "multiturn")
 DEFINITIONS = {
     "ttft_s": "request sent -> first output token received",
     "itl_s": "gap between consecutive streamed chunks carrying output tokens",
     "interactivity_tok_s": "per user: (output tokens - 1) / (last token time - first token "
                            "time); p90 = the rate 90% of requests meet or exceed (10th percentile)",
     "throughput_tok_s": "output tokens of successful requests / the level's wall time",
+    "prefix_hit_rate": "prefix cache hits / lookups during the level (server's /metrics)",
+    "prefill_tokens_computed": "prompt tokens the level's requests brought less those their "
+                               "prefix cache hits spared (server's /metrics)",
 }
 
 
@@ -63,8 +76,13 @@ class Workload:
     output_tokens: int = 32              # every workload; uniform: the minimum
     prompt_tokens_max: int | None = None  # uniform; None = 2 x the minimum
     output_tokens_max: int | None = None
-    prefix_tokens: int = 2048            # agentic
+    prefix_tokens: int = 2048            # agentic, multiturn
     suffix_tokens: int = 256
+    turn_tokens: int | None = None       # multiturn: new tokens per later turn (None: suffix)
+
+    @property
+    def new_tokens(self) -> int:
+        return self.suffix_tokens if self.turn_tokens is None else self.turn_tokens
 
     def check(self) -> None:
         if self.kind not in WORKLOADS:
@@ -72,6 +90,8 @@ class Workload:
         for name in ("prompt_tokens", "output_tokens", "prefix_tokens", "suffix_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.turn_tokens is not None and self.turn_tokens < 1:
+            raise ValueError(f"--turn-tokens must be >= 1, got {self.turn_tokens}")
         for name, low in (("prompt_tokens_max", "prompt_tokens"),
                           ("output_tokens_max", "output_tokens")):
             value = getattr(self, name)
@@ -79,8 +99,12 @@ class Workload:
                 raise ValueError(f"{_flag(name)}={value} must be >= {_flag(low)}="
                                  f"{getattr(self, low)}")
 
-    def ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(prompt, output) length ranges, inclusive."""
+    def ranges(self, turns: int = 1) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(prompt, output) length ranges, inclusive (multiturn: over `turns` turns)."""
+        if self.kind == "multiturn":
+            n = self.prefix_tokens + self.suffix_tokens
+            return ((n, n + (turns - 1) * (self.output_tokens + self.new_tokens)),
+                    (self.output_tokens, self.output_tokens))
         if self.kind == "agentic":
             n = self.prefix_tokens + self.suffix_tokens
             return (n, n), (self.output_tokens, self.output_tokens)
@@ -92,8 +116,10 @@ class Workload:
     def describe(self) -> dict:
         (p_lo, p_hi), (o_lo, o_hi) = self.ranges()
         out = {"kind": self.kind, "prompt_tokens": [p_lo, p_hi], "output_tokens": [o_lo, o_hi]}
-        if self.kind == "agentic":
+        if self.kind in PREFIXED:
             out |= {"prefix_tokens": self.prefix_tokens, "suffix_tokens": self.suffix_tokens}
+        if self.kind == "multiturn":
+            out["turn_tokens"] = self.new_tokens
         return out
 
     def sample(self, n: int, rng: random.Random) -> list[tuple[str, int]]:
@@ -101,7 +127,7 @@ class Workload:
         def text(k: int) -> str:
             return "".join(rng.choices(PRINTABLE, k=k))
         (p_lo, p_hi), (o_lo, o_hi) = self.ranges()
-        if self.kind == "agentic":
+        if self.kind in PREFIXED:  # multiturn: each conversation's first turn
             prefix = text(self.prefix_tokens)
             return [(prefix + text(self.suffix_tokens), o_lo) for _ in range(n)]
         return [(text(rng.randint(p_lo, p_hi)), rng.randint(o_lo, o_hi)) for _ in range(n)]
@@ -120,6 +146,7 @@ class _Result:
     e2e_s: float | None = None
     decode_s: float | None = None       # first -> last token
     itl_s: list[float] = field(default_factory=list)
+    text: str = ""                      # the answer (multiturn: the next turn's context)
     error: str | None = None            # kind: http_<status>, error_event, timeout, ...
     detail: str | None = None
 
@@ -159,6 +186,7 @@ async def _request(client: httpx.AsyncClient, model: str, prompt: str, max_token
                     if event.get("usage"):
                         res.prompt_tokens = event["usage"]["prompt_tokens"]
                     for choice in event["choices"]:
+                        res.text += choice.get("text") or ""
                         n = len(choice["token_ids"]) if "token_ids" in choice \
                             else int(bool(choice.get("text")))
                         if n:
@@ -208,30 +236,64 @@ def _summary(concurrency: int, results: list[_Result], wall_s: float) -> dict:
         "e2e_p50_s": _pct(e2e, 50), "e2e_p90_s": _pct(e2e, 90),
         "interactivity_p50_tok_s": _pct(user, 50),
         "interactivity_p90_tok_s": _pct(user, 10),  # what 90 % of users meet or exceed
-        "records": [{k: v for k, v in asdict(r).items() if k != "itl_s"}
+        "records": [{k: v for k, v in asdict(r).items() if k not in ("itl_s", "text")}
                     | {"user_tok_s": r.user_tok_s()} for r in results],
     }
 
 
-async def _level(client, model, prompts, concurrency, timeout, run_deadline, bar) -> dict:
+async def _level(client, model, prompts, concurrency, timeout, run_deadline, bar,
+                 turns: Workload | None = None, rng: random.Random | None = None) -> dict:
+    """`turns`: a multiturn workload: worker w holds conversation w, whose next turn extends
+    its last prompt and answer (`prompts[w]` is its first turn)."""
     loop = asyncio.get_running_loop()
     results: list[_Result] = [None] * len(prompts)
     todo = iter(range(len(prompts)))  # shared by the workers: each index is taken once
+    before = await _cache_metrics(client)
 
-    async def worker():
+    async def worker(w: int):
+        history = None
         for i in todo:
-            prompt, max_tokens = prompts[i]
+            prompt, max_tokens = prompts[w if turns and history is None else i]
+            if turns and history is not None:
+                prompt = history + "".join(rng.choices(PRINTABLE, k=turns.new_tokens))
             left = run_deadline - loop.time()
             if left > 0:
                 results[i] = await _request(client, model, prompt, max_tokens, min(timeout, left))
             else:
                 results[i] = _Result(len(prompt), max_tokens).fail(
                     "run_deadline", "not sent: the run's --max-duration had passed")
+            history = prompt + results[i].text
             bar.update()
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return _summary(concurrency, results, time.perf_counter() - t0)
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    out = _summary(concurrency, results, time.perf_counter() - t0)
+    after = await _cache_metrics(client)
+    if after and before is not None:
+        d = {k: after[k] - before.get(k, 0) for k in after}
+        looked = d.get("prefix_cache_hits_total", 0) + d.get("prefix_cache_misses_total", 0)
+        saved = d.get("prefix_cache_tokens_saved_total", 0)
+        out |= {"prefix_hits": d.get("prefix_cache_hits_total", 0),
+                "prefix_misses": d.get("prefix_cache_misses_total", 0),
+                "prefix_tokens_saved": saved,
+                "prefix_hit_rate": d.get("prefix_cache_hits_total", 0) / looked if looked
+                else None,
+                "prefill_tokens_computed": d.get("prompt_tokens_total", 0) - saved}
+    return out
+
+
+_METRIC = re.compile(r"^pdserve_(prompt_tokens_total|prefix_cache_\w+_total) (\S+)$", re.M)
+
+
+async def _cache_metrics(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """The server's prompt-token and prefix-cache counters (None: no /metrics)."""
+    try:
+        r = await client.get("/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return {m[1]: float(m[2]) for m in _METRIC.finditer(r.text)}
 
 
 async def _server_model(client: httpx.AsyncClient, url: str, model: str | None) -> tuple[str, int]:
@@ -276,7 +338,8 @@ async def _bench(url, workload, levels, n, model, timeout, max_duration, seed, p
                                  timeout=httpx.Timeout(timeout, connect=5.0),
                                  limits=httpx.Limits(max_connections=max(levels))) as client:
         model, max_len = await _server_model(client, url, model)
-        (_, p_hi), (_, o_hi) = workload.ranges()
+        turns = -(-n // min(levels))  # multiturn: a level's longest conversation
+        (_, p_hi), (_, o_hi) = workload.ranges(turns)
         if max_len and p_hi + o_hi > max_len:
             raise ValueError(f"the workload's longest request ({p_hi} prompt + {o_hi} output "
                              f"tokens) exceeds {model}'s context of {max_len}; lower the lengths")
@@ -289,7 +352,9 @@ async def _bench(url, workload, levels, n, model, timeout, max_duration, seed, p
         with tqdm(total=n * len(levels), file=sys.stderr, unit="req", disable=not progress) as bar:
             for c in levels:
                 bar.set_description(f"concurrency {c}")
-                results.append(await _level(client, model, prompts, c, timeout, run_deadline, bar))
+                multi = workload if workload.kind == "multiturn" else None
+                results.append(await _level(client, model, prompts, c, timeout, run_deadline,
+                                            bar, multi, random.Random(seed + c)))
     config = {"url": url, "model": model, "workload": workload.describe(),
               "concurrency": list(levels), "requests_per_level": n, "timeout_s": timeout,
               "max_duration_s": max_duration, "seed": seed}
@@ -395,7 +460,7 @@ def save(result: dict, out_dir: str | Path, name: str) -> tuple[Path, Path]:
 def cmd_bench(args) -> int:
     workload = Workload(args.workload, args.prompt_tokens, args.output_tokens,
                         args.prompt_tokens_max, args.output_tokens_max, args.prefix_tokens,
-                        args.suffix_tokens)
+                        args.suffix_tokens, args.turn_tokens)
     try:
         result = run_bench(args.url, workload, args.concurrency, args.requests, model=args.model,
                            timeout=args.timeout, max_duration=args.max_duration, seed=args.seed)
@@ -425,13 +490,18 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens-max", type=int, default=None,
                    help="uniform: maximum prompt length (default 2 x --prompt-tokens)")
     p.add_argument("--output-tokens", type=int, default=d.output_tokens,
-                   help="output length (fixed, agentic), minimum (uniform) (default %(default)s)")
+                   help="output length (fixed, agentic, multiturn), minimum (uniform) "
+                        "(default %(default)s)")
     p.add_argument("--output-tokens-max", type=int, default=None,
                    help="uniform: maximum output length (default 2 x --output-tokens)")
     p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens,
-                   help="agentic: shared prefix length (default %(default)s)")
+                   help="agentic, multiturn: shared prefix length (default %(default)s)")
     p.add_argument("--suffix-tokens", type=int, default=d.suffix_tokens,
-                   help="agentic: per-request suffix length (default %(default)s)")
+                   help="agentic: per-request suffix length; multiturn: the first turn's "
+                        "suffix and each next turn's new text (default %(default)s)")
+    p.add_argument("--turn-tokens", type=int, default=None,
+                   help="multiturn: new tokens of each turn after the first (default: "
+                        "--suffix-tokens)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="requests in flight, one level per value (default 1 2 4 8)")
     p.add_argument("--requests", type=int, default=32,
