@@ -346,7 +346,22 @@ def _validate_vllm(cfg: ServeConfig) -> None:
                               + "); remove it")
 
 
+def k3_features(model: ModelConfig) -> dict:
+    """The K3 layers a model config turns on, by field (stock vLLM 0.26 has none of them)."""
+    la = model.linear_attn_config
+    on = {"attn_res_block_size": model.attn_res_block_size,
+          "routed_expert_hidden_size": model.routed_expert_hidden_size,
+          "hidden_act": model.hidden_act if model.hidden_act != "silu" else None,
+          "linear_attn_config.use_full_rank_gate": la.use_full_rank_gate or None}
+    return {k: v for k, v in on.items() if v is not None}
+
+
 def _validate_vllm_model(model: ModelConfig) -> None:
+    k3 = k3_features(model)
+    if k3:
+        raise ConfigError(next(iter(k3)), "prefill.engine = \"vllm\": vLLM 0.26 has no Kimi K3 "
+                          f"model ({_kv(k3)}); prefill it with engine = \"reference\" "
+                          "(docs/vllm.md, Kimi K3)")
     bad = {k: getattr(model, k) for k, v in VLLM_MLA_DIMS.items() if getattr(model, k) != v}
     if bad:
         raise ConfigError("model.name", "prefill.engine = \"vllm\": vLLM 0.26's MLA prefill "

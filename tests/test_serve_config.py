@@ -237,6 +237,12 @@ def test_vllm_monolithic_and_models_vllm_cannot_run_are_refused(tmp_path, tiny_v
     with pytest.raises(ConfigError) as err:
         load_serve_config(_vllm_toml(tmp_path, "tiny"))
     assert err.value.field == "model.name" and "qk_nope_head_dim=32" in str(err.value)
+    # K3's layers are not in vLLM 0.26: refused by the first K3 field, all of them named
+    with pytest.raises(ConfigError) as err:
+        load_serve_config(_vllm_toml(tmp_path, "kimi-k3"))
+    assert err.value.field == "attn_res_block_size"
+    assert all(f in str(err.value) for f in ("routed_expert_hidden_size", "hidden_act=situ",
+                                             "use_full_rank_gate=True", "reference"))
 
 
 def test_check_prints_the_vllm_topology(capsys):
