@@ -166,7 +166,9 @@ class DecodeRank:
 
     def allocate(self, manifest: StateManifest, topology: Topology, extra_tokens: int):
         """(pages, slots, staging slots), or None when this rank's pools are full."""
-        if topology != self.topology:
+        if (topology.tp, topology.dcp) != (self.topology.tp, self.topology.dcp) or (
+                topology.dcp > 1 and topology.interleave != self.topology.interleave):
+            # (at DCP 1 the interleave places nothing)
             raise ValueError(f"rank {self.rank}: allocation for {topology} on a rank built for "
                              f"{self.topology}")
         try:
