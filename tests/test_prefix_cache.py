@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 
+from pdserve.bench import Workload, run_bench
 from pdserve.cluster.router import pick_prefill
 from pdserve.cluster.config import ConfigError, ServeConfig, load_serve_config, validate
 from pdserve.cluster.serve import running_server
@@ -348,6 +349,21 @@ def test_turn_two_of_a_conversation_hits_through_pdserve_serve(served):
     st = prefix_stats(router)[name]
     assert (st["prefix_hits"], st["prefix_misses"]) == (1, 1)
     assert st["prefix_tokens_saved"] == 128
+
+
+def test_bench_multiturn_counts_the_hits_and_the_tokens_prefilled(served):
+    """`pdserve bench --workload multiturn` at concurrency 1: each turn extends the last one's
+    prompt and answer and hits its checkpoint; the level's cache figures come from /metrics."""
+    url, _ = served
+    workload = Workload("multiturn", output_tokens=4, prefix_tokens=150, suffix_tokens=20)
+    [lv] = run_bench(url, workload, [1], 3, timeout=60, max_duration=120, progress=False)["levels"]
+    assert (lv["ok"], lv["errors"]) == (3, {})
+    lengths = [r["prompt_tokens"] for r in lv["records"]]
+    assert lengths[0] == 170 and lengths[0] < lengths[1] < lengths[2]
+    # the warm-up (turn 1 unmeasured) checkpointed at 128: every measured turn hits
+    assert (lv["prefix_hits"], lv["prefix_misses"], lv["prefix_hit_rate"]) == (3, 0, 1.0)
+    assert lv["prefix_tokens_saved"] >= 3 * 128
+    assert lv["prefill_tokens_computed"] == sum(lengths) - lv["prefix_tokens_saved"]
 
 
 def metrics(url):
