@@ -376,7 +376,26 @@ def _kimi_k3() -> dict[str, Any]:
     )
 
 
-PRESETS = {"tiny": _tiny, "kimi-linear-48b-a3b": _kimi_linear, "kimi-k3": _kimi_k3}
+def _demo() -> dict[str, Any]:
+    # the tiny architecture, with trained weights shipped in SHIPPED_WEIGHTS["demo"]
+    # (pdserve.model.train_demo)
+    return _tiny()
+
+
+PRESETS = {"tiny": _tiny, "demo": _demo, "kimi-linear-48b-a3b": _kimi_linear,
+           "kimi-k3": _kimi_k3}
+# Presets whose weights ship with pdserve, as HF directories inside the package; the others
+# are seeded (`pdserve.model.weights.init_seeded`).
+SHIPPED_WEIGHTS = {"demo": Path(__file__).resolve().parent / "demo"}
+
+
+def weights_dir(spec: str) -> Path | None:
+    """Where model `spec` loads its weights from: a preset's shipped directory, the spec itself
+    when it is a directory holding safetensors, or None (a preset's seeded weights)."""
+    if spec in PRESETS:
+        return SHIPPED_WEIGHTS.get(spec)
+    path = Path(spec).expanduser()
+    return path if path.is_dir() and any(path.glob("*.safetensors")) else None
 
 
 def preset_dict(name: str) -> dict[str, Any]:
