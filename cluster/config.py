@@ -23,7 +23,8 @@ from typing import Literal, get_args, get_type_hints
 
 import msgspec
 
-from pdserve.model.config import PRESETS, ConfigError, ModelConfig, load_model_config
+from pdserve.model.config import (PRESETS, ConfigError, ModelConfig, load_model_config,
+                                  weights_dir)
 from pdserve.model.weights import check_checkpoint
 from pdserve.prefill.prefix_cache import PrefixCacheConfig
 from pdserve.prefill.scheduler import check_budget
@@ -274,9 +275,9 @@ def validate(cfg: ServeConfig) -> ModelConfig:
     except ConfigError as exc:
         raise ConfigError(f"model.{exc.field}" if exc.field != "model" else "model.name",
                           str(exc).split(": ", 1)[1]) from None
-    if name not in PRESETS and Path(name).is_dir() and any(Path(name).glob("*.safetensors")):
+    if (weights := weights_dir(name)) is not None:
         try:  # the weights' headers against the model, before any rank starts
-            check_checkpoint(model, name)
+            check_checkpoint(model, weights)
         except ValueError as exc:
             raise ConfigError("model.name", str(exc)) from None
     pools = [("decode", cfg.decode.tp)] if cfg.monolithic else [("prefill", cfg.prefill.tp),
@@ -377,9 +378,9 @@ def vllm_model_dir(cfg: ServeConfig, model: ModelConfig) -> tuple[Path, bool]:
     """(the HF directory vLLM and decode load, whether it is an automatic export)."""
     from pdserve.prefill.vllm_engine import export_name
 
-    name = Path(cfg.model.name).expanduser()
-    if cfg.model.name not in PRESETS and name.is_dir() and any(name.glob("*.safetensors")):
-        return name, False
+    weights = weights_dir(cfg.model.name)
+    if weights is not None:
+        return weights, False
     root = Path(cfg.prefill.vllm.export_dir).expanduser()
     return root / export_name(cfg.model.name, model, cfg.model.seed, cfg.model.dtype), True
 

@@ -24,7 +24,7 @@ from pdserve.cluster.preflight import check_resources, listen_socket, local_reso
 from pdserve.cluster.router import DecodeSlot, Router
 from pdserve.decode.instance import DecodeInstance
 from pdserve.decode.server import DecodeServer
-from pdserve.model.config import PRESETS
+from pdserve.model.config import weights_dir
 from pdserve.state.block_table import Topology
 from pdserve.transfer.dest import TransferConfig
 
@@ -82,9 +82,8 @@ class Builder:
 
     def __init__(self, cfg: ServeConfig, model, progress=print):
         self.cfg, self.model = cfg, model
-        checkpoint = None
-        if cfg.model.name not in PRESETS and any(Path(cfg.model.name).glob("*.safetensors")):
-            checkpoint = cfg.model.name
+        weights = weights_dir(cfg.model.name)
+        checkpoint = None if weights is None else str(weights)
         self.model_dir = prepare_vllm_model(cfg, model, progress) if cfg.vllm else None
         if self.model_dir is not None:
             checkpoint = str(self.model_dir)  # decode loads exactly the weights vLLM loads
