@@ -4,42 +4,42 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
-                   help="preset name (tiny, kimi-linear-48b-a3b, kimi-k3) or a model directory "
-                        "with config.json [+ *.safetensors] (default: tiny)")
+def _model_args(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--model", default=default,
+                   help="preset name (demo: trained weights shipped with pdserve; tiny, "
+                        "kimi-linear-48b-a3b, kimi-k3: seeded weights) or a model directory "
+                        f"with config.json [+ *.safetensors] (default: {default})")
     p.add_argument("--seed", type=int, default=0, help="weight seed when no checkpoint (default 0)")
 
 
 def _load(args):
-    from pdserve.model.config import PRESETS, load_model_config
+    from pdserve.model.config import load_model_config, weights_dir
     from pdserve.model.generate import build_model
 
     config = load_model_config(args.model)
-    ckpt = None
-    if args.model not in PRESETS and any(Path(args.model).glob("*.safetensors")):
-        ckpt = args.model
-    return config, build_model(config, seed=args.seed, checkpoint=ckpt)
+    ckpt = weights_dir(args.model)
+    return config, build_model(config, seed=args.seed,
+                               checkpoint=None if ckpt is None else str(ckpt))
 
 
 def cmd_generate(args) -> int:
+    from pdserve.api.tokenizer import ByteLevelTokenizer as ByteTokenizer
+    from pdserve.cluster.demo import shown
+    from pdserve.model.config import load_model_config
     from pdserve.model.generate import ReferenceEngine
     from pdserve.model.sampling import SamplingParams
-    from pdserve.api.tokenizer import ByteLevelTokenizer as ByteTokenizer
-
-    from pdserve.model.config import load_model_config
+    from pdserve.model.train_demo import PROMPTS
 
     t0 = time.perf_counter()
     if load_model_config(args.model).vocab_size != 256:
         raise ValueError(f"--model {args.model}: `generate` needs the byte-level vocabulary "
-                         f"(tiny); this model has a {load_model_config(args.model).vocab_size}-token "
+                         f"(demo, tiny); this model has a {load_model_config(args.model).vocab_size}-token "
                          "vocabulary and no tokenizer here")
     config, model = _load(args)
     tok = ByteTokenizer()
-    prompts = args.prompt or ["Disaggregated prefill and decode "]
+    prompts = args.prompt or list(PROMPTS[:2])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -50,8 +50,9 @@ def cmd_generate(args) -> int:
     times = [time.perf_counter()]
     seqs = engine.generate([tok.encode(p) for p in prompts], params,
                            on_step=lambda _: times.append(time.perf_counter()))
-    for p, s in zip(prompts, seqs):
-        print(f"\n>>> {p!r}\n{tok.decode(s.output)!r}  [{len(s.output)} tokens, {s.finish_reason}]")
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        print(f"\n{shown(i, p, tok.decode(s.output))}\n    [{len(s.output)} tokens, "
+              f"{s.finish_reason}]")
     n_prompt = sum(len(tok.encode(p)) for p in prompts)
     steps = [b - a for a, b in zip(times[1:], times[2:])]
     print(f"\nprefill: {n_prompt} tokens in {(times[1] - times[0]) * 1e3:.1f} ms; "
@@ -165,8 +166,10 @@ def cmd_serve(args) -> int:
 def cmd_demo(args) -> int:
     import socket
 
-    from pdserve.cluster.demo import run_demo
+    from pdserve.cluster.demo import DEMO_CONFIG, run_demo
 
+    if args.config is None:
+        args.config = DEMO_CONFIG
     if args.port is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -180,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="monolithic reference generation (prefill + decode)")
-    _model_args(g)
-    g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    g.add_argument("--max-tokens", type=int, default=32)
+    _model_args(g, "demo")
+    g.add_argument("--prompt", action="append",
+                   help="prompt text (repeat for a batch; default: two openings of the demo "
+                        "model's training text)")
+    g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("export", help="write seeded weights as an HF-format checkpoint directory")
-    _model_args(e)
+    _model_args(e, "tiny")
     e.add_argument("--out", required=True, help="output directory")
     e.set_defaults(func=cmd_export)
 
@@ -201,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             ("check", "validate a cluster config and print its topology and capacity", cmd_check)):
         c = sub.add_parser(name, help=helptext)
         c.add_argument("--config", default=None,
-                       help="cluster TOML (default: cluster/configs/local-tiny.toml)")
+                       help="cluster TOML (default: cluster/configs/"
+                            f"{'local-demo' if name == 'demo' else 'local-tiny'}.toml)")
         c.add_argument("--host", default=None, help="override api.host")
         c.add_argument("--port", type=int, default=None, help="override api.port")
         if name != "check":
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                            help="stop after this many seconds (0 = until Ctrl-C)")
         if name == "demo":
             c.add_argument("--requests", type=int, default=4)
-            c.add_argument("--max-tokens", type=int, default=48)
+            c.add_argument("--max-tokens", type=int, default=64)
         if name == "check":
             c.add_argument("--context-tokens", type=int, default=None,
                            help="prompt tokens of the requests the admission figure counts "
