@@ -12,6 +12,10 @@ For reference only, the same sweep against the in-process engine (`LocalBackend`
 goes to `results/serving_inprocess_cpu.{json,png}` and the overhead file's `vs_inprocess` rows;
 `--no-inprocess` skips it. The targets compare against the monolithic mode.
 
+Head of line (`results/serving_hol_cpu.json`): on the monolithic and disaggregated servers, the
+TTFT of short requests sent one at a time alone, then while one `--hol-tokens`-token prompt
+prefills (issue 37's target: the p50 within 2x of alone); `--hol-tokens 0` skips it.
+
 Each server runs in a process of its own and the load generator in this one, so neither server
 shares the generator's GIL; all of them share the CPU (2 cores here): compare backends within one
 machine and one run setup, not across machines. All servers are up at once and take turns in
@@ -21,17 +25,23 @@ after the other would be charged that drift (an idle server polls its ranks once
 level's percentiles are the mean of its blocks'. Run benchmarks one at a time:
 
     flock /tmp/pdserve-bench.lock python benchmarks/serving.py [--concurrency 1 2 4] \
-        [--requests 8] [--rounds 6] [--prefix-tokens 512] [--no-inprocess]
+        [--requests 8] [--rounds 6] [--prefix-tokens 512] [--no-inprocess] [--hol-tokens 16000]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import socket
+import statistics
 import sys
+import threading
+import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +60,8 @@ CONFIGS = {"disaggregated": DEFAULT_CONFIG,
            "monolithic": DEFAULT_CONFIG.parent / "local-tiny-monolithic.toml"}
 STARTUP_S = 180.0  # the cluster starts Ray and its actors
 TARGETS_PCT = {"ttft_p50_s": 15.0, "itl_p50_s": 5.0}  # issue 5: overhead on the CPU default
+HOL_TARGET = 2.0  # issue 37: short TTFT p50 with a long prompt prefilling / alone
+HOL_SHORT_TOKENS = 19
 
 
 def _server_main(conn, kind: str) -> None:
@@ -125,11 +137,54 @@ def merge(kind: str, blocks: dict[int, list[dict]]) -> dict:
     return result
 
 
+def _ttft(url: str, prompt: str, max_tokens: int = 2) -> float:
+    """Seconds from sending a streamed completion to its first token."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                return time.perf_counter() - t0
+    raise RuntimeError(f"{url}: a stream without a token")
+
+
+def head_of_line(url: str, long_tokens: int, n: int, seed: int = 0) -> dict:
+    """The TTFT of `n` short requests sent one after another alone, then of those sent one
+    after another (0.2 s apart) while one `long_tokens`-token prompt prefills."""
+    rng = random.Random(seed)
+
+    def text(k: int) -> str:
+        return "".join(chr(rng.randrange(32, 127)) for _ in range(k))
+
+    alone = [_ttft(url, text(HOL_SHORT_TOKENS)) for _ in range(n)]
+    long: dict = {}
+    first = threading.Thread(target=lambda: long.update(ttft_s=_ttft(url, text(long_tokens))))
+    first.start()
+    time.sleep(0.5)  # the long prompt is under way
+    during = []
+    while first.is_alive() and len(during) < n:
+        during.append(_ttft(url, text(HOL_SHORT_TOKENS)))
+        time.sleep(0.2)
+    first.join()
+    p50 = {"alone": statistics.median(alone), "during": statistics.median(during)}
+    return {"long_prompt_tokens": long_tokens, "short_prompt_tokens": HOL_SHORT_TOKENS,
+            "short_ttft_alone_s": alone, "short_ttft_during_s": during,
+            "long_ttft_s": long.get("ttft_s"), "short_ttft_p50_alone_s": p50["alone"],
+            "short_ttft_p50_during_s": p50["during"],
+            "ratio_p50": p50["during"] / p50["alone"]}
+
+
 def sweep(kinds: list[str], workload: Workload, concurrency_levels, n: int, rounds: int,
-          out_dir: str | Path) -> dict[str, dict]:
+          out_dir: str | Path, hol_tokens: int = 0) -> dict[str, dict]:
     """Every server up at once, each in its own process; per concurrency level, `rounds` blocks
     of `n` requests per server, alternating ABBA (block r reverses block r-1's order) and
-    sending every server the same prompts (seed r). Writes `<name>.json/png` per kind."""
+    sending every server the same prompts (seed r). Writes `<name>.json/png` per kind, and with
+    `hol_tokens` the head-of-line figures (`head_of_line`) of the monolithic and disaggregated
+    servers, one after the other."""
+    from common import write_result
+
     blocks = {k: {c: [] for c in concurrency_levels} for k in kinds}
     with ExitStack() as stack:
         urls = {}
@@ -144,6 +199,16 @@ def sweep(kinds: list[str], workload: Workload, concurrency_levels, n: int, roun
                 for kind in kinds if r % 2 == 0 else kinds[::-1]:
                     blocks[kind][c].append(run_bench(urls[kind], workload, [c], n, timeout=120.0,
                                                      seed=r, progress=False))
+        if hol_tokens:
+            hol = {}
+            for kind in ("monolithic", "disaggregated"):
+                print(f"head of line: {kind}", flush=True)
+                hol[kind] = head_of_line(urls[kind], hol_tokens, n)
+            figures = {"target_ratio_p50": HOL_TARGET, "servers": hol,
+                       "met": all(h["ratio_p50"] <= HOL_TARGET for h in hol.values()),
+                       "definition": head_of_line.__doc__.strip()}
+            print(json.dumps({k: round(h["ratio_p50"], 2) for k, h in hol.items()}))
+            print(f"wrote {write_result('serving_hol_cpu', figures, out_dir)}")
     results = {}
     for kind in kinds:
         results[kind] = merge(kind, blocks[kind])
@@ -163,6 +228,8 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--no-inprocess", action="store_true",
                    help="skip the in-process reference engine (not part of the targets)")
+    p.add_argument("--hol-tokens", type=int, default=16000,
+                   help="the long prompt of the head-of-line measurement (0 = skip it)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.rounds < 1 or args.requests < 1:
@@ -170,7 +237,8 @@ def main() -> None:
     workload = Workload("agentic", output_tokens=args.output_tokens,
                         prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens)
     kinds = ["monolithic", "disaggregated"] + ([] if args.no_inprocess else ["inprocess"])
-    res = sweep(kinds, workload, args.concurrency, args.requests, args.rounds, args.out)
+    res = sweep(kinds, workload, args.concurrency, args.requests, args.rounds, args.out,
+                args.hol_tokens)
     compare(res["monolithic"], res["disaggregated"], res.get("inprocess"), args.out)
 
 
@@ -196,8 +264,6 @@ def _overhead(base: dict, other: dict) -> list[dict]:
 def compare(mono: dict, disagg: dict, inproc: dict | None, out_dir) -> None:
     """What disaggregation costs on TTFT and inter-token latency, per concurrency level, against
     the monolithic mode (the targets) and, for reference, the in-process engine."""
-    import json
-
     from common import write_result
 
     rows = _overhead(mono, disagg)
