@@ -1,7 +1,11 @@
 import os
 
-import pytest
-import torch
+# CuTe DSL fixes its target arch when cutlass is first imported, which collection may do from
+# any module (tests/gpu/ imports kernels at module level): the compile tests target Hopper.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
