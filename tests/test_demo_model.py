@@ -3,6 +3,7 @@ through the reference model, predict held-out pydoc topics, continue a training 
 give the monolithic tokens through the disaggregated cluster, and ship in the wheel."""
 import fnmatch
 import string
+import time
 import tomllib
 from pathlib import Path
 
@@ -106,6 +107,10 @@ def test_disaggregated_cluster_gives_the_monolithic_tokens(model):
                 "ignore_eos": True, "return_token_ids": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == expected
+        # the router refreshes decode stats on its poll loop: wait for the last transfer's count
+        deadline = time.monotonic() + 30
+        while router.stats().get("transfers") != len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert router.stats().get("transfers") == len(prompts)
 
 

@@ -105,7 +105,9 @@ def test_drain_under_mixed_load_loses_nothing_and_empties_every_pool():
         assert router.in_flight == 0
         # every pool returns to empty: decode ranks and prefill ranks (where the prefix
         # cache's entries may keep their pages and checkpoint slots)
-        deadline = time.monotonic() + 30
+        # a state the drain's cancel did not reach is freed by its lease (prefill's lease_s,
+        # 30 s), so the pools are given the lease and a margin
+        deadline = time.monotonic() + 45
         while True:
             d = [x.inst.ranks.call("stats")[0] for x in router.decode]
             p = [x.inst.ranks.call("stats")[0] for x in router.prefill]
