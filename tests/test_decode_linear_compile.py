@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pdserve.kernels import registry
-from pdserve.kernels.decode_linear import (OP, cutedsl_guard, decode_linear_problem,
-                                           decode_linear_reference, token_tile)
+from pdserve.decode.fused_step import StepTuning
+from pdserve.kernels.decode_linear import (OP, LinearTuning, cutedsl_guard, decode_linear_problem,
+                                           decode_linear_reference, resolved_splits, token_tile)
 from pdserve.kernels.decode_linear import cutedsl as dl
 from pdserve.kernels.kda_decode.cutedsl import cubin_resources
 from test_kda_decode_compile import cubin_sm
@@ -59,6 +60,36 @@ def test_tuning_variants_compile(bm, bn, splits, stages, tmp_path):
     assert "griddepcontrol" not in ptx
 
 
+def test_step_variants_compile_with_l2_prefetch_and_strided_x(tmp_path):
+    # o_proj as the fused step tunes it: the whole 16-tile slab requested or prefetched (8 +
+    # 8 tiles of 2 boxes) before waiting for the KDA step
+    t = StepTuning().o_proj
+    for sub in "og":
+        (tmp_path / sub).mkdir()     # the dump directory must exist to keep the PTX
+    fn = dl.compile_variant(2304, 4096, t.bm, 8, t.splits, t.stages, True, t.prefetch,
+                            dump_dir=str(tmp_path / "o"))
+    pre = fn.artifacts.PTX.split("griddepcontrol.wait", 1)[0]
+    assert pre.count("cp.async.bulk.prefetch.tensor.2d.L2") == 2 * 8
+    # the gates' block-diagonal GEMM reads x as a column slice of the in-projection's output
+    fn = dl.compile_variant(8192, 256, 64, 8, 1, dump_dir=str(tmp_path / "g"), ldx=12576)
+    assert cubin_sm(fn.artifacts.CUBIN) == 90
+    assert "cp.async.bulk.prefetch" not in fn.artifacts.PTX
+    with pytest.raises(ValueError, match="ldx"):
+        dl.DecodeLinearSm90(8192, 256, 64, 8, 1, ldx=12577)
+    with pytest.raises(ValueError, match="prefetch"):
+        dl.DecodeLinearSm90(8192, 256, 64, 8, 1, prefetch=-1)
+
+
+def test_tuning_splits_fall_back_to_a_divisor_of_k():
+    assert resolved_splits(4096, LinearTuning(splits=4)) == 4
+    assert resolved_splits(256, LinearTuning(splits=8)) == 4     # K / 64 = 4
+    assert resolved_splits(4096, LinearTuning()) is None
+    x = torch.zeros(4, 512, dtype=torch.bfloat16)[:, :256]        # strided rows
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)
+    p = decode_linear_problem(x, w, LinearTuning(splits=8))
+    assert p["splits"] == 4 and p["contiguous"] and p["aligned"]
+
+
 def test_defaults_fill_the_gpu():
     assert [token_tile(b) for b in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 64, 64]
     # o_proj: 36 m-tiles x 4 splits = 144 CTAs, ~1 per SM; splits divide K / 64 = 64
@@ -99,7 +130,7 @@ def _problem(**over):
     ({"batch": 0}, "batch 0"),
     ({"w_k": 2304}, "columns"),
     ({"splits": 3}, "multiple of 64 \\* splits"),
-    ({"contiguous": False}, "contiguous"),
+    ({"contiguous": False}, "inner stride 1"),
     ({"aligned": False}, "16-byte"),
 ])
 def test_guard_names_why_it_refuses(over, why):

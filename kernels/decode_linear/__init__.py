@@ -1,7 +1,8 @@
 """Skinny projection for decode steps (op "decode_linear"): torch reference + CuTe DSL sm_90a
 kernel.
 
-    impl(x [B, K] bf16, w [N, K] bf16) -> y [B, N] bf16,   y = x @ W^T, fp32 accumulation
+    impl(x [B, K] bf16, w [N, K] bf16, tuning=None) -> y [B, N] bf16,   y = x @ W^T,
+    fp32 accumulation; x's rows may be strided (a column slice of a wider tensor)
 
 At decode batch sizes (B <= 64) the op streams W; the kernel splits K over the grid so every
 SM streams, and the last CTA of each weight-row tile sums the split partials in a fixed order
@@ -9,8 +10,10 @@ SM streams, and the last CTA of each weight-row tile sums the split partials in 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
+import msgspec
 import torch
 
 from .. import registry
@@ -26,17 +29,42 @@ def token_tile(batch: int) -> int:
     return next(n for n in (8, 16, 32, 64) if batch <= n)
 
 
-def decode_linear_problem(x, w, splits: int | None = None) -> dict[str, Any]:
-    """The guard's view of a call; `splits`: the K split the kernel will run with (None: its
-    default, a divisor of K / 64)."""
+class LinearTuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The kernel's tuning for one projection (each field is part of the compiled variant's key;
+    the reference ignores them).
+
+    bm: weight rows per CTA (64 or 128). splits: K chunks (None: ~1 CTA per SM; a value that
+    does not divide K / 64 is lowered to their greatest common divisor). stages: ring
+    depth. prefetch: weight tiles per CTA, beyond the ring, brought to L2 before waiting for the
+    previous kernel under PDL: worth it after a kernel that reads little (the KDA step before
+    o_proj), wasted where the prefetched bytes would not stay in L2 until used."""
+    bm: int = 64
+    splits: int | None = None
+    stages: int = 6
+    prefetch: int = 0
+
+
+DEFAULT_TUNING = LinearTuning()
+
+
+def resolved_splits(k: int, tuning: LinearTuning | None) -> int | None:
+    """The K split a call of reduction length `k` runs with (None: the kernel's default)."""
+    splits = (tuning or DEFAULT_TUNING).splits
+    return math.gcd(splits, max(k // 64, 1)) if splits else None
+
+
+def decode_linear_problem(x, w, tuning: LinearTuning | None = None) -> dict[str, Any]:
+    """The guard's view of a call under `tuning` (None: the defaults)."""
+    splits = resolved_splits(x.shape[1], tuning)
     dev = x.device
     return {
         "device_type": dev.type,
         "capability": torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None,
         "batch": x.shape[0], "k": x.shape[1], "n": w.shape[0], "w_k": w.shape[1],
         "splits": splits or 1, "dtypes": (x.dtype, w.dtype),
-        "contiguous": x.is_contiguous() and w.is_contiguous(),
-        "aligned": x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0,
+        "contiguous": x.stride(-1) == 1 and w.is_contiguous(),
+        "aligned": (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+                    and (x.stride(0) * x.element_size()) % 16 == 0),
     }
 
 
@@ -56,19 +84,22 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
     if p["k"] % (64 * p["splits"]):
         return f"k {p['k']} is not a multiple of 64 * splits = {64 * p['splits']}"
     if not p["contiguous"]:
-        return "x and w must be contiguous"
+        return "x needs inner stride 1 and w must be contiguous"
     if not p["aligned"]:
-        return "x and w must start on 16-byte boundaries (TMA)"
+        return "x and w must start on 16-byte boundaries and x's rows be 16-byte strided (TMA)"
     return cutedsl_refusal()
 
 
-def decode_linear_cutedsl(x, w):
+def decode_linear_cutedsl(x, w, tuning: LinearTuning | None = None):
     from .cutedsl import launch
-    return launch(x, w)
+    t = tuning or DEFAULT_TUNING
+    return launch(x, w, bm=t.bm, splits=resolved_splits(x.shape[1], t), stages=t.stages,
+                  prefetch=t.prefetch)
 
 
 registry.register(OP, registry.REFERENCE, decode_linear_reference)
 registry.register(OP, "cutedsl", decode_linear_cutedsl, cutedsl_guard)
 
-__all__ = ["OP", "MAX_TOKENS", "token_tile", "decode_linear_problem", "cutedsl_guard",
+__all__ = ["OP", "MAX_TOKENS", "token_tile", "LinearTuning", "DEFAULT_TUNING",
+           "resolved_splits", "decode_linear_problem", "cutedsl_guard",
            "decode_linear_cutedsl", "decode_linear_reference"]

@@ -9,8 +9,10 @@ forward (the oracle) still reads the same values.
     are requested while the previous kernel runs); the router and the LM head, with fp32
     outputs, and the small batched GEMMs stay cuBLAS.
   - KDA: q, k, v, f_a, g_a, b_proj as one [3HD + 2D + H, hidden] weight (one GEMM); f_b and
-    g_b stacked [2, HD, D] (one batched GEMM); then the fused KDA op (conv, gates, delta rule,
-    gated norm) and o_proj.
+    g_b as one block-diagonal [2HD, 2D] weight (one decode_linear on the f_a | g_a columns: the
+    zero blocks cost 2HD*D*2 bytes a layer, and the PDL chain in_proj -> gates -> KDA -> o_proj
+    stays unbroken, so o_proj's weights stream into L2 while the KDA step runs); then the
+    fused KDA op (conv, gates, delta rule, gated norm) and o_proj.
   - MLA: q_proj and kv_a as one weight, the new latent row normalized straight into the paged
     cache (latent_store); W_UK / W_UV split out of kv_b_proj once, in bf16.
   - MoE: experts stacked as w13 [G, 2I, hidden] (gate rows then up rows) and w2 [G, hidden, I],
@@ -20,20 +22,33 @@ forward (the oracle) still reads the same values.
     inside the next add_rmsnorm.
   - every residual add is fused with the RMSNorm after it; the LM head is a bf16 GEMM with
     fp32 output.
-A step is device ops only (no host sync), so `DecodeGraphs` captures it whole. Rebuild it after
-loading new weights (W_UK / W_UV are copies).
+The projections' kernel tuning is a `StepTuning` argument. A step is device ops only (no host
+sync), so `DecodeGraphs` captures it whole. Rebuild it after loading new weights (W_UK / W_UV
+and the gates' block-diagonal weight are copies).
 """
 from __future__ import annotations
 
+import msgspec
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import registry
 from pdserve.kernels import (decode_linear, kda_decode, latent_store, mla_decode, moe_experts,
                              moe_route, rmsnorm)
+from pdserve.kernels.decode_linear import LinearTuning
 from pdserve.model.batch import DecodeBatch
 from pdserve.model.model import HybridModel, NotSupportedYet
 from pdserve.state.pools import StatePools
+
+
+class StepTuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`decode_linear` tuning per projection of the step (H200 measurements: docs/kernels.md).
+    o_proj follows the KDA step / MLA attention, which read little: its weight tiles go to
+    L2 while they run (`prefetch`)."""
+    in_proj: LinearTuning = LinearTuning()
+    gates: LinearTuning = LinearTuning()
+    o_proj: LinearTuning = LinearTuning(bm=128, splits=4, stages=8, prefetch=8)
+    mlp: LinearTuning = LinearTuning()
 
 
 class _Ops:
@@ -56,9 +71,9 @@ class _Ops:
         return self._run(rmsnorm.OP, rmsnorm.add_rmsnorm_problem, residual, delta, weight, eps,
                          out, residual_out, **pairs)
 
-    def linear(self, x, w):
+    def linear(self, x, w, tuning: LinearTuning):
         """x @ w.T (bf16) for the step's projections."""
-        return self._run(decode_linear.OP, decode_linear.decode_linear_problem, x, w)
+        return self._run(decode_linear.OP, decode_linear.decode_linear_problem, x, w, tuning)
 
     def route(self, *args):
         return self._run(moe_route.OP, moe_route.moe_route_problem, *args)
@@ -96,6 +111,11 @@ def _stack(weights) -> torch.Tensor:
     return st
 
 
+def _block_diagonal(weights) -> torch.Tensor:
+    """[sum n_i, sum k_i] with weight i ([n_i, k_i]) on the diagonal, zeros elsewhere (a copy)."""
+    return torch.block_diag(*[w.data for w in weights]).contiguous()
+
+
 def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T with fp32 output (fp32 accumulation of the bf16 products, no weight cast)."""
     if x.is_cuda:
@@ -104,35 +124,34 @@ def _mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class _Kda:
-    def __init__(self, attn, ops: _Ops):
+    def __init__(self, attn, ops: _Ops, tuning: StepTuning):
         if hasattr(attn, "g_proj"):
             raise NotSupportedYet("fused decode step: KDA with a full-rank output gate (K3)")
-        self.ops, self.a = ops, attn
+        self.ops, self.a, self.t = ops, attn, tuning
         self.HD = attn.heads * attn.head_dim
         self.D, self.H = attn.head_dim, attn.heads
         self.w_in = _concat([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj,
                              attn.g_a_proj, attn.b_proj])
-        self.w_fg = _stack([attn.f_b_proj.weight, attn.g_b_proj.weight]).transpose(1, 2)
+        self.w_gates = _block_diagonal([attn.f_b_proj.weight, attn.g_b_proj.weight])
         self.conv_w = attn.conv_weight()
 
     def __call__(self, h, batch: DecodeBatch, pools: StatePools, idx: int):
         a, HD, D, H = self.a, self.HD, self.D, self.H
-        y = self.ops.linear(h, self.w_in)
-        B = y.shape[0]
-        fg = torch.bmm(y[:, 3 * HD:3 * HD + 2 * D].view(B, 2, D).transpose(0, 1), self.w_fg)
+        y = self.ops.linear(h, self.w_in, self.t.in_proj)
+        fg = self.ops.linear(y[:, 3 * HD:3 * HD + 2 * D], self.w_gates, self.t.gates)
         pool = pools.slots
-        out = self.ops.kda(y[:, :HD], y[:, HD:2 * HD], y[:, 2 * HD:3 * HD], fg[1], fg[0],
+        out = self.ops.kda(y[:, :HD], y[:, HD:2 * HD], y[:, 2 * HD:3 * HD], fg[:, HD:], fg[:, :HD],
                            y[:, 3 * HD + 2 * D:], self.conv_w, a.A_log.view(H), a.dt_bias,
                            a.o_norm.weight, a.eps, a.lower_bound, pool.recurrent[idx],
                            pool.conv[idx], batch.kda_slots, pool.layout)
-        return self.ops.linear(out.to(h.dtype), a.o_proj.weight)
+        return self.ops.linear(out.to(h.dtype), a.o_proj.weight, self.t.o_proj)
 
 
 class _Mla:
-    def __init__(self, attn, ops: _Ops):
+    def __init__(self, attn, ops: _Ops, tuning: StepTuning):
         if not hasattr(attn, "q_proj") or hasattr(attn, "g_proj"):
             raise NotSupportedYet("fused decode step: MLA with q_lora or an output gate (K3)")
-        self.ops, self.a = ops, attn
+        self.ops, self.a, self.t = ops, attn, tuning
         self.Hq = attn.heads * (attn.nope + attn.rope)
         self.w_in = _concat([attn.q_proj, attn.kv_a_proj_with_mqa])
         w = attn.kv_b_proj.weight.view(attn.heads, attn.nope + attn.v_dim, attn.rank)
@@ -142,7 +161,7 @@ class _Mla:
     def __call__(self, h, batch: DecodeBatch, pools: StatePools, idx: int):
         a, R, nope = self.a, self.a.rank, self.a.nope
         pool = pools.latent
-        y = self.ops.linear(h, self.w_in)
+        y = self.ops.linear(h, self.w_in, self.t.in_proj)
         B = y.shape[0]
         q = y[:, :self.Hq].view(B, a.heads, nope + a.rope)
         self.ops.store(y[:, self.Hq:], a.kv_a_layernorm.weight, a.kv_a_layernorm.eps,
@@ -155,19 +174,20 @@ class _Mla:
                               a.scale, pool.scale if pool.is_fp8 else None,
                               max_seq_len=batch.pages.shape[1] * pool.page_tokens)
         o = torch.bmm(lat.to(h.dtype).transpose(0, 1), self.w_uv_t)        # [H, B, v]
-        return self.ops.linear(o.transpose(0, 1).reshape(B, -1), a.o_proj.weight)
+        return self.ops.linear(o.transpose(0, 1).reshape(B, -1), a.o_proj.weight, self.t.o_proj)
 
 
 class _Mlp:
-    def __init__(self, mlp, ops: _Ops):
-        self.ops = ops
+    def __init__(self, mlp, ops: _Ops, tuning: StepTuning):
+        self.ops, self.t = ops, tuning
         self.w13 = _concat([mlp.gate_proj, mlp.up_proj])
         self.w2 = mlp.down_proj.weight
         self.inter = mlp.gate_proj.weight.shape[0]
 
     def __call__(self, h):
-        gu = self.ops.linear(h, self.w13)
-        return self.ops.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.w2)
+        gu = self.ops.linear(h, self.w13, self.t.mlp)
+        return self.ops.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.w2,
+                               self.t.mlp)
 
 
 class _Moe:
@@ -221,7 +241,8 @@ class _Moe:
 class FusedDecodeStep:
     """`step(ids, batch) -> fp32 logits [B, vocab]` for a `DecodeBatch`, with `backend`'s ops."""
 
-    def __init__(self, model: HybridModel, pools: StatePools, backend: str):
+    def __init__(self, model: HybridModel, pools: StatePools, backend: str,
+                 tuning: StepTuning | None = None):
         if model.tp.size != 1:
             raise NotSupportedYet(f"fused decode step at TP={model.tp.size} (TP = 1 only)")
         if model.dtype != torch.bfloat16:
@@ -233,11 +254,12 @@ class FusedDecodeStep:
             if on:   # K3's AttnRes, SiTU and latent MoE are not in the fused layer
                 raise NotSupportedYet(f"fused decode step: {field}={getattr(c, field)!r} (K3)")
         self.model, self.pools, self.ops = model, pools, _Ops(backend)
+        self.tuning = t = tuning or StepTuning()
         self.layers = []
         for layer, idx in zip(model.model.layers, model.cache_index):
-            attn = (_Kda if layer.is_kda else _Mla)(layer.self_attn, self.ops)
+            attn = (_Kda if layer.is_kda else _Mla)(layer.self_attn, self.ops, t)
             ffn = (_Moe(layer.block_sparse_moe, self.ops) if hasattr(layer, "block_sparse_moe")
-                   else _Mlp(layer.mlp, self.ops))
+                   else _Mlp(layer.mlp, self.ops, t))
             self.layers.append((layer, idx, attn, ffn))
 
     def layer(self, i: int, x, delta, h, batch: DecodeBatch):
