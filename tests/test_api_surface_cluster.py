@@ -44,6 +44,28 @@ def answers(client, case):
     return plain, streamed
 
 
+# The contract (docs/design.md §2) is the same tokens bit for bit, not the same logprob bits:
+# a reference decode step's rounding depends on how many requests share it (MLA's W_UV product
+# runs on the batch's rows, unpadded), and which of a request's n choices decode together
+# depends on when each was admitted, on either side and between the streamed and plain runs.
+# On tiny that moves a logit by ~1e-6 per step, which compounds over the cases' few tokens past
+# 1e-5 at times; 1e-4 leaves room for that and still fails on a logit from another position.
+LOGPROB_ABS = 1e-4
+
+
+def assert_same(got, want, case):
+    """Choices equal: text, tokens and which alternatives exactly, logprobs within LOGPROB_ABS."""
+    assert len(got) == len(want), case
+    for g, w in zip(got, want):
+        assert g[0] == w[0] and g[1] == w[1], case                      # text and tokens
+        assert g[2] == pytest.approx(w[2], abs=LOGPROB_ABS), case      # chosen logprobs
+        assert [d and sorted(d) for d in g[3]] == [d and sorted(d) for d in w[3]], case
+        for gd, wd in zip(g[3], w[3]):                                   # top logprobs
+            if wd:
+                assert [gd[k] for k in sorted(wd)] == pytest.approx(
+                    [wd[k] for k in sorted(wd)], abs=LOGPROB_ABS), case
+
+
 def test_new_fields_are_equal_disaggregated_and_monolithic():
     cfg, model = config()
     with serve(ReferenceEngine(build_model(preset("tiny"), seed=0))) as local:
@@ -52,14 +74,7 @@ def test_new_fields_are_equal_disaggregated_and_monolithic():
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         got = [answers(client, case) for case in CASES]
     for case, (w_plain, w_stream), (g_plain, g_stream) in zip(CASES, want, got):
-        assert w_plain == w_stream, case              # the monolithic side agrees with itself
         assert len(g_plain) == case.get("n", 1), case
-        for w, g in zip(w_plain, g_plain):
-            assert g[0] == w[0] and g[1] == w[1], case                  # text and tokens
-            assert g[2] == pytest.approx(w[2], abs=1e-5), case         # chosen logprobs
-            assert [d and sorted(d) for d in g[3]] == [d and sorted(d) for d in w[3]], case
-            for gd, wd in zip(g[3], w[3]):                               # top logprobs
-                if wd:
-                    assert [gd[k] for k in sorted(wd)] == pytest.approx(
-                        [wd[k] for k in sorted(wd)], abs=1e-5), case
-        assert g_stream == g_plain, case
+        assert_same(w_stream, w_plain, case)  # the monolithic side agrees with itself
+        assert_same(g_plain, w_plain, case)
+        assert_same(g_stream, g_plain, case)
