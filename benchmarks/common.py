@@ -1,11 +1,14 @@
-"""Shared by the benchmarks: environment facts, result files, CUDA-event and CUDA-graph timing."""
+"""Shared by the benchmarks: environment facts, result files, text tables, CUDA-event and
+CUDA-graph timing."""
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
 import platform
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -65,6 +68,60 @@ def write_result(name: str, figures: dict, out_dir: str | os.PathLike | None = N
     path = d / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(commit), "figures": figures}, indent=2))
     return path
+
+
+class Column(NamedTuple):
+    """One column of a text table of dict rows. `value`: the row's key (default `head`) or a
+    function of the row; `fmt`: a format spec for it (default: integers as they are, floats to 4
+    significant digits); a missing or None value prints "-". `width`: the least width, which a
+    table printed row by row as its figures arrive needs for values wider than the heading."""
+    head: str
+    value: str | Callable[[Mapping], Any] | None = None
+    fmt: str = ""
+    width: int = 0
+    left: bool = False  # names read better left-aligned, figures right-aligned
+
+    def cell(self, row: Mapping) -> str:
+        v = self.value(row) if callable(self.value) else row.get(self.value or self.head)
+        if v is None:
+            return "-"
+        if self.fmt:
+            return format(v, self.fmt)
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+class Table:
+    """A plain-text table: `header()` and `row(r)` print one line each at the columns' fixed
+    widths (for rows printed as they are measured); `format(rows)` sizes the columns to their
+    contents. A column given as a string is `Column(that string)`."""
+
+    def __init__(self, columns: Sequence[Column | str]):
+        self.columns = [c if isinstance(c, Column) else Column(c) for c in columns]
+
+    @classmethod
+    def of(cls, rows: Sequence[Mapping]) -> Table:
+        """A column per key of the first row, headed by the key."""
+        return cls(list(rows[0]) if rows else [])
+
+    def header(self) -> str:
+        return self._line([c.head for c in self.columns], self._widths())
+
+    def row(self, row: Mapping) -> str:
+        return self._line([c.cell(row) for c in self.columns], self._widths())
+
+    def format(self, rows: Sequence[Mapping]) -> str:
+        cells = [[c.cell(r) for c in self.columns] for r in rows]
+        widths = [max([w] + [len(line[i]) for line in cells])
+                  for i, w in enumerate(self._widths())]
+        heads = [c.head for c in self.columns]
+        return "\n".join(self._line(line, widths) for line in [heads] + cells)
+
+    def _widths(self) -> list[int]:
+        return [max(c.width, len(c.head)) for c in self.columns]
+
+    def _line(self, cells: list[str], widths: list[int]) -> str:
+        return " ".join(cell.ljust(w) if c.left else cell.rjust(w)
+                        for cell, w, c in zip(cells, widths, self.columns)).rstrip()
 
 
 def event_times_ms(fn, reps: int, warmup: int = 0) -> list[float]:

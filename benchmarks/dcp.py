@@ -49,30 +49,6 @@ def _release(pre, dec, handles, limit_s=60.0):
         time.sleep(0.05)
 
 
-def admitted(slot, handles, limit_s=300.0) -> int:
-    """Submit every handle at once; how many the instance admitted before refusing one. An
-    admitted request keeps decoding until every one is decided, then leaves (cancels)."""
-    async def main():
-        decided, done = [], asyncio.Event()
-
-        async def probe(h):
-            async for ev in slot.stream(h, h.request_id, deadline_s=limit_s):
-                if ev.error is not None:
-                    decided.append(False)
-                    break
-                if ev.token is not None:
-                    decided.append(True)
-                    if len(decided) == len(handles):
-                        done.set()
-                    await asyncio.wait_for(done.wait(), limit_s)
-                    break
-            if len(decided) == len(handles):
-                done.set()
-        await asyncio.gather(*[probe(h) for h in handles])
-        return sum(decided)
-    return asyncio.run(main())
-
-
 def itl(slot, handles, limit_s=300.0) -> float:
     """Mean gap (s) between consecutive decode tokens of `handles`, run together to the end."""
     async def one(h):
@@ -95,7 +71,7 @@ def run(dcps, context, output, itl_output, num_pages, num_slots) -> list[dict]:
 
     from pdserve.cluster.actors import start_instance, serve_decode
     from pdserve.cluster.router import DecodeSlot
-    from pdserve.decode.capacity import pool_capacity
+    from pdserve.decode.capacity import pool_capacity, probe_admission
     from pdserve.model.config import preset
     from pdserve.model.sampling import Request, SamplingParams
     from pdserve.state.block_table import Topology
@@ -130,7 +106,7 @@ def run(dcps, context, output, itl_output, num_pages, num_slots) -> list[dict]:
                 long = SamplingParams(max_tokens=output, ignore_eos=True)
                 hs = _prefill(pre, [Request(f"d{c}-cap{i}", prompt(i), long)
                                     for i in range(cap.admitted + 1)])
-                got = admitted(slot, hs)
+                got, _ = probe_admission(slot, hs, limit_s=300.0)
                 _release(pre, dec, hs)
                 base_conc = base_conc or got
                 short = SamplingParams(max_tokens=itl_output, ignore_eos=True)

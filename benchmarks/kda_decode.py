@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import capture_graph, event_times_ms, write_result  # noqa: E402
+from common import Column, Table, capture_graph, event_times_ms, write_result  # noqa: E402
 
 HEADS = (12, 32, 96)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -250,6 +250,45 @@ def quick_check(cell):
     return res
 
 
+def _pair(r: dict, plain: str, pdl: str) -> str:
+    """"plain/pdl" microseconds, "-" for one not measured."""
+    us = lambda k: f"{r[k]:.1f}" if k in r else "-"
+    return f"{us(plain)}/{us(pdl)}"
+
+
+def _best_cluster(r: dict) -> str | None:
+    """"cluster:us" of the fastest cluster size in the sweep."""
+    if "ours_us_by_cluster" not in r:
+        return None
+    c, t = min(r["ours_us_by_cluster"].items(), key=lambda kv: kv[1])
+    return f"{c}:{t:.1f}"
+
+
+def _variant(r: dict, name: str) -> str:
+    t = r.get("variants_us", {}).get(name, {})
+    return "err" if "error" in t else _pair(t, "plain", "pdl")
+
+
+US = ".1f"
+CELLS_TABLE = Table([
+    "H", "B", Column("ours", "ours_us", US), Column("C", "cluster_default"),
+    Column("best C", _best_cluster), Column("fla", "fla_us", US), Column("stock", "stock_us", US),
+    Column("floor", "floor_us", ".2f"), Column("%floor", "frac_of_floor", ".0%"),
+    Column("x stock", "speedup_vs_stock", ".2f"), Column("x fla", "speedup_vs_fla_core", ".2f"),
+    Column("pdl", "ours_pdl_us", US), Column("%floor", "pdl_frac_of_floor", ".0%"),
+    Column("rnd", "ours_random_slots_us", US), Column("pdl rnd", "ours_pdl_random_slots_us", US)])
+MARGINAL_TABLE = Table([
+    "H", "B", Column("floor", "floor_us", ".2f"), Column("ours", "ours_marginal_us", US),
+    Column("pdl", "ours_pdl_marginal_us", US), Column("stock", "stock_marginal_us", US)])
+
+
+def variants_table(names: list[str]) -> Table:
+    """Plain / PDL microseconds of the launcher's default and of each named variant."""
+    return Table(["H", "B", Column("floor", "floor_us", ".2f"),
+                  Column("default", lambda r: _pair(r, "ours_us", "ours_pdl_us"))]
+                 + [Column(v, lambda r, v=v: _variant(r, v)) for v in names])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
@@ -371,37 +410,16 @@ def main(argv=None):
     from mla_decode import device_tag
     out = write_result(args.name or f"kda_decode_{device_tag()}", res, args.out)
 
-    f = lambda r, k, fmt="{:.1f}": fmt.format(r[k]) if k in r else "-"
+    cells = list(res["cells"].values())
     print(f"\nKDA decode step, {dev.name}, copy {bw:.0f} GB/s; us per call (CUDA graph), bounded gate, SD conv; "
           "slots as the runtime has them (rnd: random slots of one pool)")
-    print(f"{'H':>3} {'B':>3} {'ours':>7} {'C':>2} {'best C':>9} {'fla':>7} {'stock':>7} {'floor':>7} {'%floor':>7} {'x stock':>7} {'x fla':>6} {'pdl':>7} {'%floor':>7} {'rnd':>7} {'pdl rnd':>7}")
-    for r in res["cells"].values():
-        best = ""
-        if "ours_us_by_cluster" in r:
-            c, t = min(r["ours_us_by_cluster"].items(), key=lambda kv: kv[1])
-            best = f"{c}:{t:.1f}"
-        print(f"{r['H']:>3} {r['B']:>3} {f(r, 'ours_us'):>7} {r['cluster_default']:>2} {best:>9} "
-              f"{f(r, 'fla_us'):>7} {f(r, 'stock_us'):>7} {f(r, 'floor_us', '{:.2f}'):>7} "
-              f"{f(r, 'frac_of_floor', '{:.0%}'):>7} {f(r, 'speedup_vs_stock', '{:.2f}'):>7} "
-              f"{f(r, 'speedup_vs_fla_core', '{:.2f}'):>6} {f(r, 'ours_pdl_us'):>7} "
-              f"{f(r, 'pdl_frac_of_floor', '{:.0%}'):>7} {f(r, 'ours_random_slots_us'):>7} "
-              f"{f(r, 'ours_pdl_random_slots_us'):>7}")
+    print(CELLS_TABLE.format(cells))
     if args.marginal:
         print("\nper call without the graph's fixed costs (2N- vs N-call graphs), us")
-        print(f"{'H':>3} {'B':>3} {'floor':>6} {'ours':>7} {'pdl':>7} {'stock':>7}")
-        for r in res["cells"].values():
-            print(f"{r['H']:>3} {r['B']:>3} {r['floor_us']:6.2f} {f(r, 'ours_marginal_us'):>7} "
-                  f"{f(r, 'ours_pdl_marginal_us'):>7} {f(r, 'stock_marginal_us'):>7}")
+        print(MARGINAL_TABLE.format(cells))
     if args.variants:
         print("\nvariants, us per call plain / pdl (default: the launcher's choice)")
-        print(f"{'H':>3} {'B':>3} {'floor':>6} {'default':>13} " + " ".join(f"{v:>13}" for v in args.variants))
-        for r in res["cells"].values():
-            cols = []
-            for v in args.variants:
-                t = r.get("variants_us", {}).get(v, {})
-                cols.append(f"{t['plain']:6.1f}/{t['pdl']:<6.1f}" if "pdl" in t else f"{'err':>13}")
-            print(f"{r['H']:>3} {r['B']:>3} {r['floor_us']:6.2f} "
-                  f"{f(r, 'ours_us'):>6}/{f(r, 'ours_pdl_us'):<6} " + " ".join(cols))
+        print(variants_table(args.variants).format(cells))
     print(f"json: {out}")
     return 0
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import Column, Table, write_result  # noqa: E402
 
 from pdserve.model.config import reduced_kimi_linear  # noqa: E402
 from pdserve.model.generate import ReferenceEngine, build_model  # noqa: E402
@@ -81,7 +81,10 @@ def main() -> None:
     torch.manual_seed(0)
     config = reduced_kimi_linear(num_layers=4, num_experts=4, top_k=2, vocab_size=1024)
     rows = []
-    print(f"{'format':>9s} {'prompt':>7s} {'vs fp32':>9s} {'same argmax':>12s}")
+    table = Table([Column("format", width=9), Column("prompt", "prompt_tokens"),
+                   Column("vs fp32", "centred_rel_error_vs_fp32", ".2e", 9),
+                   Column("same argmax", "same_argmax")])
+    print(table.header())
     for half in HALF:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = str(export_checkpoint(tmp, config, seed=SEED, dtype=getattr(torch, half)))
@@ -91,9 +94,7 @@ def main() -> None:
             rows.append({"format": half, "prompt_tokens": n,
                          "centred_rel_error_vs_fp32": centred_rel_error(a, b),
                          "same_argmax": bool(a.argmax() == b.argmax())})
-            r = rows[-1]
-            print(f"{half:>9s} {n:7d} {r['centred_rel_error_vs_fp32']:9.2e} "
-                  f"{str(r['same_argmax']):>12s}")
+            print(table.row(rows[-1]))
     path = write_result("precision_noise_cpu", {
         "model": "reduced kimi-linear-48b-a3b (4 layers, 4 experts, top-2, vocab 1024), seed 7",
         "metric": "centred relative error of the first decode step's logits, half run vs fp32 "

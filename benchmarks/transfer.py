@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import Column, Table, write_result  # noqa: E402
 
 from pdserve.model.config import preset
 from pdserve.state.block_table import BlockTable, Topology
@@ -258,6 +258,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+TABLE = Table([Column("case", width=20, left=True), Column("context", width=8),
+               Column("MB", lambda r: r["bytes"] / 1e6, ".1f", 8),
+               Column("GB/s", "gbps", ".2f", 7), Column("memcpy", "memcpy_gbps", ".2f", 7),
+               Column("frac", "fraction_of_memcpy", ".2f", 5),
+               Column("par.copy", "parallel_copy_gbps", ".2f", 8),
+               Column("vs p=d", "slowdown_vs_p1_d1", "+.0%", 6),
+               Column("ctrl ms", "control_ms_median", ".2f", 8),
+               Column("cpu ms", "control_cpu_ms_median", ".2f", 7),
+               Column("descs", "descriptors", width=6)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
@@ -266,8 +277,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM through UCX)")
     args = ap.parse_args()
     results = []
-    print(f"{'case':20s} {'context':>8s} {'MB':>8s} {'GB/s':>7s} {'memcpy':>7s} {'frac':>5s} "
-          f"{'par.copy':>8s} {'vs p=d':>6s} {'ctrl ms':>8s} {'cpu ms':>7s} {'descs':>6s}", flush=True)
+    print(TABLE.header(), flush=True)
     for n in args.contexts:
         for case in CASES:
             if case is CASES[0]:
@@ -287,10 +297,7 @@ def main() -> None:
             r["p1_d1_gbps_paired"] = base_gbps or r["gbps"]
             r["slowdown_vs_p1_d1"] = r["p1_d1_gbps_paired"] / r["gbps"] - 1
             results.append(r)
-            print(f"{case[0]:20s} {n:8d} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.2f} "
-                  f"{r['memcpy_gbps']:7.2f} {r['fraction_of_memcpy']:5.2f} "
-                  f"{r['parallel_copy_gbps']:8.2f} {r['slowdown_vs_p1_d1']:+6.0%} {r['control_ms_median']:8.2f} "
-                  f"{r['control_cpu_ms_median']:7.2f} {r['descriptors']:6d}", flush=True)
+            print(TABLE.row(r), flush=True)
     where = "DRAM" if args.device == "cpu" else "VRAM"
     name = "transfer_cpu" if args.device == "cpu" else "transfer_h200"
     path = write_result(name, {

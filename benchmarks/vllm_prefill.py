@@ -37,7 +37,7 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import Column, Table, write_result  # noqa: E402
 
 from pdserve.model.weights import export_checkpoint  # noqa: E402
 from pdserve.prefill.child import Child, serve_child  # noqa: E402
@@ -90,16 +90,12 @@ def _ms(s):
     return None if s is None else s * 1e3
 
 
-def table(rows: list[dict]) -> str:
-    head = (f"{'context':>8s} {'TTFT ms':>9s} {'export ms':>9s} {'state MB':>9s} {'xfer ms':>8s} "
-            f"{'GB/s':>8s} {'reads GB/s':>10s} {'of 4245':>8s}")
-    lines = [head]
-    for r in rows:
-        exp = "n/a" if r["export_ms"] is None else f"{r['export_ms']:.3f}"
-        lines.append(f"{r['context']:8d} {r['ttft_ms']:9.1f} {exp:>9s} {r['state_bytes'] / 1e6:9.2f} "
-                     f"{r['transfer_ms']:8.2f} {r['gbps']:8.2f} {r['reads_gbps']:10.2f} "
-                     f"{r['reads_fraction_of_copy_ceiling']:8.2%}")
-    return "\n".join(lines)
+TABLE = Table([Column("context"), Column("TTFT ms", "ttft_ms", ".1f"),
+               Column("export ms", "export_ms", ".3f"),
+               Column("state MB", lambda r: r["state_bytes"] / 1e6, ".2f"),
+               Column("xfer ms", "transfer_ms", ".2f"), Column("GB/s", "gbps", ".2f"),
+               Column("reads GB/s", "reads_gbps", ".2f"),
+               Column("of 4245", "reads_fraction_of_copy_ceiling", ".2%")])
 
 
 # == child processes ===============================================================================
@@ -318,7 +314,7 @@ def main() -> int:
                 dec.close()
             pre.close()
 
-    print(table(rows), flush=True)
+    print(TABLE.format(rows), flush=True)
     print(f"once per engine: describe {startup['describe_s']} s, NIXL registration "
           f"{startup['register_s']} s of {startup['registered_bytes']} bytes; "
           f"engine start-up {startup['startup_s']:.1f} s", flush=True)

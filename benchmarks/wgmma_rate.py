@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import event_times_ms, write_result  # noqa: E402
+from common import Column, Table, event_times_ms, write_result  # noqa: E402
 
 K = 576                  # the MLA latent + rope width: the K of one S^T pass
 CLOCK_HZ = 1.98e9
@@ -130,13 +130,15 @@ def main(argv=None):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         sys.exit("wgmma_rate.py needs a Hopper GPU (sm_90)")
     rows = []
-    print(f"{'mma':<28} {'wgs':>3} {'FMA/clk/SM':>11}")
+    table = Table([Column("mma", width=28, left=True), Column("wgs", "warpgroups"),
+                   Column("FMA/clk/SM", "fma_per_clk_at_1980mhz", ".0f", 11)])
+    print(table.header())
     for fp8 in (True, False):
         for n in (16, 32, 64, 128):
             for wgs in (1, 2, 3):
                 r = rate(n, fp8, wgs, args.iters)
                 rows.append(r)
-                print(f"{r['mma']:<28} {wgs:>3} {r['fma_per_clk_at_1980mhz']:>11.0f}", flush=True)
+                print(table.row(r), flush=True)
     from mla_decode import device_tag
     path = write_result(f"wgmma_rate_{device_tag()}", dict(
         op="wgmma_rate", k=K, iters=args.iters, clock_assumed_hz=CLOCK_HZ, rows=rows), args.out)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import pytest
 import torch
 
-from pdserve.decode.capacity import pool_capacity
+from pdserve.decode.capacity import pool_capacity, probe_admission
 from pdserve.model.config import preset, reduced_kimi_linear
 from pdserve.model.mla import merge_partials
 from pdserve.model.sampling import Request, SamplingParams
@@ -221,32 +221,6 @@ def predicted(topo: Topology) -> int:
                          OUTPUT).admitted
 
 
-def live_admitted(slot, handles, limit_s: float = 120.0) -> tuple[int, list[str]]:
-    """Submit every handle at once; (how many the instance admitted, the refusals' errors).
-    An admitted request keeps decoding (994 tokens) until every one is decided, then leaves
-    (which cancels it)."""
-    async def main():
-        decided, done = [], asyncio.Event()
-
-        async def probe(h):
-            async for ev in slot.stream(h, h.request_id, deadline_s=limit_s):
-                if ev.error is not None:
-                    decided.append(ev.error)
-                    break
-                if ev.token is not None:
-                    decided.append(None)
-                    if len(decided) == len(handles):
-                        done.set()
-                    await asyncio.wait_for(done.wait(), limit_s)
-                    break
-            if len(decided) == len(handles):
-                done.set()
-        await asyncio.gather(*[probe(h) for h in handles])
-        return decided
-    got = asyncio.run(main())
-    return got.count(None), [e for e in got if e is not None]
-
-
 @pytest.mark.parametrize("topo", [DCP1, DCP2, DCP4], ids=["dcp1", "dcp2", "dcp4-il16"])
 def test_live_admission_equals_the_capacity_prediction(tiny_cluster, topo):
     """predicted + 1 requests of 30 + 994 tokens at once: exactly the predicted count is
@@ -258,7 +232,7 @@ def test_live_admission_equals_the_capacity_prediction(tiny_cluster, topo):
     handles = tiny_cluster.handles(1, f"cap{topo.dcp}",
                                    [[(7 * i + t) % 256 for t in range(PROMPT)]
                                     for i in range(want + 1)], [params] * (want + 1))
-    admitted, refused = live_admitted(tiny_cluster.slots[topo], handles)
+    admitted, refused = probe_admission(tiny_cluster.slots[topo], handles)
     assert admitted == want
     assert len(refused) == 1 and "no room" in refused[0], refused
     for h in handles:  # the refused request's source state (the router cancels it so too)

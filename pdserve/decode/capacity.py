@@ -46,8 +46,11 @@ docs/capacity.md works through the K3 TP8 DCP1/DCP8 example.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
+from collections.abc import AsyncIterator, Sequence
 from fractions import Fraction
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -55,6 +58,10 @@ from pdserve.model.config import ConfigError, load_model_config
 from pdserve.state.block_table import Topology
 from pdserve.state.layout import RankShapes, StateLayout, dtype_of
 from pdserve.state.manifest import RegionSizes
+
+if TYPE_CHECKING:
+    from pdserve.decode.batcher import TokenEvent
+    from pdserve.prefill.handle import StateHandle
 
 GIB = 2 ** 30
 ALLOWED_DTYPES = {
@@ -293,6 +300,43 @@ def pool_capacity(num_pages: int, num_slots: int, max_batch: int, topology: Topo
     admitted = max(min(by_pages, by_slots, max_batch), 0)
     return PoolCapacity(tokens, pages, by_pages, by_slots, max_batch, admitted,
                         admitted * tokens)
+
+
+class EventStream(Protocol):
+    """What the admission probe needs of a decode instance: `pdserve.cluster.router.DecodeSlot`."""
+
+    def stream(self, work: StateHandle, request_id: str,
+               deadline_s: float | None) -> AsyncIterator[TokenEvent]: ...
+
+
+def probe_admission(slot: EventStream, handles: Sequence[StateHandle],
+                    limit_s: float = 120.0) -> tuple[int, list[str]]:
+    """Measure what `pool_capacity` predicts: submit every handle to the live instance at once;
+    (how many it admitted, the refused requests' errors). A request counts as admitted at its
+    first token and then holds its pages, still decoding, until every request is decided (its
+    first token or its refusal), then leaves its stream, which cancels it. So each request's
+    output must outlast the probe, or a finished one frees room for a later one."""
+    async def main() -> list[str | None]:
+        decided: list[str | None] = []  # None: admitted; else the refusal's error
+        done = asyncio.Event()
+
+        async def probe(h: StateHandle) -> None:
+            async for ev in slot.stream(h, h.request_id, deadline_s=limit_s):
+                if ev.error is not None:
+                    decided.append(ev.error)
+                    break
+                if ev.token is not None:
+                    decided.append(None)
+                    if len(decided) == len(handles):
+                        done.set()
+                    await asyncio.wait_for(done.wait(), limit_s)
+                    break
+            if len(decided) == len(handles):
+                done.set()
+        await asyncio.gather(*[probe(h) for h in handles])
+        return decided
+    got = asyncio.run(main())
+    return got.count(None), [e for e in got if e is not None]
 
 
 def format_pool(cap: PoolCapacity, topology: Topology) -> str:
