@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pdserve.kernels import registry
-from pdserve.decode.fused_step import StepTuning
 from pdserve.kernels.decode_linear import (OP, LinearTuning, cutedsl_guard, decode_linear_problem,
                                            decode_linear_reference, resolved_splits, token_tile)
 from pdserve.kernels.decode_linear import cutedsl as dl
@@ -61,9 +60,9 @@ def test_tuning_variants_compile(bm, bn, splits, stages, tmp_path):
 
 
 def test_step_variants_compile_with_l2_prefetch_and_strided_x(tmp_path):
-    # o_proj as the fused step tunes it: the whole 16-tile slab requested or prefetched (8 +
+    # o_proj's whole 16-tile slab requested or prefetched (8 +
     # 8 tiles of 2 boxes) before waiting for the KDA step
-    t = StepTuning().o_proj
+    t = LinearTuning(bm=128, splits=4, stages=8, prefetch=8)
     for sub in "og":
         (tmp_path / sub).mkdir()     # the dump directory must exist to keep the PTX
     fn = dl.compile_variant(2304, 4096, t.bm, 8, t.splits, t.stages, True, t.prefetch,
