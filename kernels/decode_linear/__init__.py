@@ -35,13 +35,10 @@ class LinearTuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     bm: weight rows per CTA (64 or 128). splits: K chunks (None: ~1 CTA per SM; a value that
     does not divide K / 64 is lowered to their greatest common divisor). stages: ring
-    depth. prefetch: weight tiles per CTA, beyond the ring, brought to L2 before waiting for the
-    previous kernel under PDL: worth it after a kernel that reads little (the KDA step before
-    o_proj), wasted where the prefetched bytes would not stay in L2 until used."""
+    depth."""
     bm: int = 64
     splits: int | None = None
     stages: int = 6
-    prefetch: int = 0
 
 
 DEFAULT_TUNING = LinearTuning()
@@ -93,8 +90,7 @@ def cutedsl_guard(p: Mapping[str, Any]) -> str | None:
 def decode_linear_cutedsl(x, w, tuning: LinearTuning | None = None):
     from .cutedsl import launch
     t = tuning or DEFAULT_TUNING
-    return launch(x, w, bm=t.bm, splits=resolved_splits(x.shape[1], t), stages=t.stages,
-                  prefetch=t.prefetch)
+    return launch(x, w, bm=t.bm, splits=resolved_splits(x.shape[1], t), stages=t.stages)
 
 
 registry.register(OP, registry.REFERENCE, decode_linear_reference)

@@ -10,9 +10,7 @@ CTA (j, s): weight rows [BM j, BM j + BM) (the last tile's rows past N zero-fill
 never stored), K tiles [s kps, (s + 1) kps) of BK = 64 columns (kps = K / (64 splits)).
   warp 4 (producer) streams the K tiles: BM / 64 [64, 64] TMA boxes of W and a [BN, 64] box of
   x per stage of a `stages`-deep ring. With PDL the first ring's worth of W is requested before
-  griddepcontrol.wait (W does not depend on the previous kernel; x does), and with
-  `prefetch` > 0 that many more W tiles are brought to L2 (TMA prefetch) before the wait, so a
-  short previous kernel that reads little overlaps the weight stream;
+  griddepcontrol.wait (W does not depend on the previous kernel; x does);
   warps 0-3 (one warpgroup) run the wgmma m64nBNk16 chain into fp32 accumulators [BM, BN] and
   store them as split s's partial tile in the workspace, in register order (element i of
   thread t at [i, t]: coalesced, and the reducing CTA reads it with the same thread mapping).
@@ -53,12 +51,11 @@ CTAS_PER_SM = 1
 
 class DecodeLinearSm90:
     """y [B, N] = x [B, K] @ W [N, K]^T for fixed (N, K), weight tile `bm`, token tile `bn`,
-    `splits` K chunks, ring depth `stages`, `prefetch` W tiles to L2 before the PDL wait, and
-    x's row stride `ldx` (elements; None: K, dense rows)."""
+    `splits` K chunks, ring depth `stages` and x's row stride `ldx` (elements; None: K, dense
+    rows)."""
 
     def __init__(self, n: int, k: int, bm: int, bn: int, splits: int,
-                 stages: int = DEFAULT_STAGES, pdl: bool = True, prefetch: int = 0,
-                 ldx: int | None = None):
+                 stages: int = DEFAULT_STAGES, pdl: bool = True, ldx: int | None = None):
         if not (isinstance(n, int) and n > 0):
             raise ValueError(f"n must be a positive int, got {n!r}")
         if bm not in BMS:
@@ -72,8 +69,6 @@ class DecodeLinearSm90:
                              f"{BK * splits}, got {k!r}")
         if not (isinstance(stages, int) and 2 <= stages <= 8):
             raise ValueError(f"stages must be in 2..8, got {stages!r}")
-        if not (isinstance(prefetch, int) and prefetch >= 0):
-            raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}")
         ldx = k if ldx is None else ldx
         if not (isinstance(ldx, int) and ldx >= k and ldx % 8 == 0):
             raise ValueError(f"ldx must be an int >= k = {k} and a multiple of 8 (16-byte rows "
@@ -82,9 +77,6 @@ class DecodeLinearSm90:
         self.splits, self.stages, self.pdl = splits, stages, pdl
         self.kps = k // (BK * splits)                      # K tiles per split
         self.ldx = ldx
-        # W tiles past the ring prefetched before the wait (only under PDL: without it there
-        # is no previous kernel to overlap)
-        self.prefetch = min(prefetch, max(self.kps - stages, 0)) if pdl else 0
         self.m_tiles = -(-n // bm)
         self.boxes = bm // 64
         self.nv = bm * bn // CONSUMERS                     # accumulators per consumer thread
@@ -194,9 +186,6 @@ class DecodeLinearSm90:
                     cute.copy(tma_a, tAg[None, self.boxes * j + b, k0 + kt],
                               tAs[None, self.boxes * h.index + b], tma_bar_ptr=h.barrier)
                 handles.append(h)
-            for kt in cutlass.range_constexpr(early, early + self.prefetch):
-                for b in cutlass.range_constexpr(self.boxes):
-                    cute.prefetch(tma_a, tAg[None, self.boxes * j + b, k0 + kt])
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()     # x is the previous kernel's output
             for kt in cutlass.range_constexpr(early):
@@ -296,12 +285,12 @@ _scratch: dict[tuple, tuple] = {}
 
 
 def compile_variant(n: int, k: int, bm: int, bn: int, splits: int,
-                    stages: int = DEFAULT_STAGES, pdl: bool = True, prefetch: int = 0,
-                    ldx: int | None = None, dump_dir: str | None = None):
+                    stages: int = DEFAULT_STAGES, pdl: bool = True, ldx: int | None = None,
+                    dump_dir: str | None = None):
     """Compile (or fetch) one variant; works without a GPU under CUTE_DSL_ARCH=sm_90a. With
     `dump_dir` the PTX and cubin are kept there (`.artifacts`), bypassing the cache."""
     import cuda.bindings.driver as cuda
-    key = (n, k, bm, bn, splits, stages, pdl, prefetch, k if ldx is None else ldx)
+    key = (n, k, bm, bn, splits, stages, pdl, k if ldx is None else ldx)
 
     def build(**opts):
         return cute.compile(DecodeLinearSm90(*key), *fake_ptrs(_SPECS), Int32(bn),
@@ -346,12 +335,10 @@ def sm_count(dev) -> int:
 
 
 def launch(x, w, *, bm: int = DEFAULT_BM, splits: int | None = None,
-           stages: int = DEFAULT_STAGES, pdl: bool = True, ctas_per_sm: int = CTAS_PER_SM,
-           prefetch: int = 0):
+           stages: int = DEFAULT_STAGES, pdl: bool = True, ctas_per_sm: int = CTAS_PER_SM):
     """y [B, N] on the current torch stream (arguments validated by the guard; x's rows may be
     strided). Tuning: `bm` (weight rows per CTA), `splits` (K chunks, default ~`ctas_per_sm`
-    CTAs per SM), `stages` (ring depth), `pdl` (programmatic dependent launch), `prefetch` (W
-    tiles per CTA brought to L2 before the PDL wait).
+    CTAs per SM), `stages` (ring depth), `pdl` (programmatic dependent launch).
     Launches of one variant share a workspace: run them on one stream at a time."""
     import cuda.bindings.driver as cuda
     import torch
@@ -366,7 +353,7 @@ def launch(x, w, *, bm: int = DEFAULT_BM, splits: int | None = None,
     ws, counters = _scratch_for(dev, N, K, bm, bn, splits)
     # one row's stride is irrelevant: dense, so B = 1 calls of every slice share a variant
     ldx = x.stride(0) if B > 1 else K
-    fn = compile_variant(N, K, bm, bn, splits, stages, pdl, prefetch, ldx)
+    fn = compile_variant(N, K, bm, bn, splits, stages, pdl, ldx)
     tensors = (x, w, y, ws, counters)
     ptrs = [gmem_ptr(dt, t.data_ptr(), al) for t, (dt, al) in zip(tensors, _SPECS)]
     fn(*ptrs, Int32(B), cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))

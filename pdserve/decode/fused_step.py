@@ -11,8 +11,7 @@ forward (the oracle) still reads the same values.
   - KDA: q, k, v, f_a, g_a, b_proj as one [3HD + 2D + H, hidden] weight (one GEMM); f_b and
     g_b as one block-diagonal [2HD, 2D] weight (one decode_linear on the f_a | g_a columns: the
     zero blocks cost 2HD*D*2 bytes a layer; the PDL chain in_proj -> gates -> KDA -> o_proj
-    stays unbroken); then the
-    fused KDA op (conv, gates, delta rule, gated norm) and o_proj.
+    stays unbroken); then the fused KDA op (conv, gates, delta rule, gated norm) and o_proj.
   - MLA: q_proj and kv_a as one weight, the new latent row normalized straight into the paged
     cache (latent_store); W_UK / W_UV split out of kv_b_proj once, in bf16.
   - MoE: experts stacked as w13 [G, 2I, hidden] (gate rows then up rows) and w2 [G, hidden, I],
@@ -43,9 +42,7 @@ from pdserve.state.pools import StatePools
 
 class StepTuning(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`decode_linear` tuning per projection of the step. The kernel's defaults won on the
-    H200's 27-layer step (o_proj at bm 128 / 4 splits / 8 stages, with or without its tiles
-    prefetched to L2 during the KDA step, and in_proj prefetching 8 tiles did not: 2026-12-04,
-    docs/kernels.md)."""
+    H200's 27-layer step (o_proj at bm 128 / 4 splits / 8 stages did not: docs/kernels.md)."""
     in_proj: LinearTuning = LinearTuning()
     gates: LinearTuning = LinearTuning()
     o_proj: LinearTuning = LinearTuning()
