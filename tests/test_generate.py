@@ -15,12 +15,14 @@ def model():
 
 
 def test_batched_generation_equals_each_request_alone(model):
-    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=5),
-              SamplingParams(max_tokens=9, temperature=0.9, top_k=50, seed=3)]
+    """Bit for bit, logprobs included: a decode step's rounding does not depend on how many
+    requests share it."""
+    params = [SamplingParams(max_tokens=12, logprobs=2), SamplingParams(max_tokens=5, logprobs=0),
+              SamplingParams(max_tokens=9, temperature=0.9, top_k=50, seed=3, logprobs=1)]
     together = ReferenceEngine(model).generate(PROMPTS, params)
     for p, sp, seq in zip(PROMPTS, params, together):
         alone = ReferenceEngine(model).generate([p], [sp])[0]
-        assert alone.output == seq.output
+        assert alone.output == seq.output and alone.logprobs == seq.logprobs
         assert len(seq.output) == sp.max_tokens and seq.finish_reason == "length"
 
 

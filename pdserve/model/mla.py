@@ -143,12 +143,7 @@ class MLAAttention(nn.Module):
         """q [..., H, nope+rope] -> [..., H, R+P]: q_nope pulled into the latent space (W_UK).
         On the CPU the product runs on at least MIN_ROWS rows per head, so a row's result does
         not depend on how many rows share the step (`parallel.MIN_ROWS`)."""
-        nope = q[..., :self.nope]
-        flat = nope.reshape(-1, self.heads, self.nope)
-        n = flat.shape[0]
-        if flat.device.type == "cpu" and n < MIN_ROWS:
-            flat = F.pad(flat, (0, 0, 0, 0, 0, MIN_ROWS - n))
-        absorbed = torch.einsum("thn,hnr->thr", flat, w_uk)[:n].view(*nope.shape[:-1], -1)
+        absorbed = _per_head("thn,hnr->thr", q[..., :self.nope], w_uk)
         return torch.cat([absorbed, q[..., self.nope:]], dim=-1)
 
     def _fused_decode(self, q: torch.Tensor, pool: LatentPool, layer: int, batch: DecodeBatch,
@@ -207,7 +202,18 @@ class MLAAttention(nn.Module):
             T, device=q.device)[:, None]
         visible = torch.arange(L, device=q.device) <= pos          # [..., T, L]
         lat, _ = absorbed_attention(q_abs, rows, self.rank, self.scale, visible)
-        return torch.einsum("...thr,hvr->...thv", lat, w_uv)
+        return _per_head("thr,hvr->thv", lat, w_uv)
+
+
+def _per_head(equation: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., H, d] times each head's matrix of w by `equation` (over "t h d"), flattening the
+    leading dims; on the CPU on at least MIN_ROWS rows, so a row's result does not depend on
+    how many rows share the step (`parallel.MIN_ROWS`)."""
+    flat = x.reshape(-1, *x.shape[-2:])
+    n = flat.shape[0]
+    if flat.device.type == "cpu" and n < MIN_ROWS:
+        flat = F.pad(flat, (0, 0, 0, 0, 0, MIN_ROWS - n))
+    return torch.einsum(equation, flat, w)[:n].view(*x.shape[:-1], -1)
 
 
 def _store_decode_rows(pool: LatentPool, layer: int, batch: DecodeBatch,
