@@ -1,10 +1,12 @@
 """Crafted and malformed HTTP input against a real uvicorn server and the monolithic
 `LocalBackend` (tiny preset): bytes that are not UTF-8, deep nesting, oversized, truncated and
-slow bodies, unknown paths and methods, out-of-range sampling values. Each is a typed 4xx in
-OpenAI's error shape, never a 500 or a logged traceback, and requests in flight elsewhere run on
-undisturbed. Raw sockets send what no HTTP client would."""
+slow bodies, unknown paths and methods, out-of-range sampling values, malformed tool calls and
+tool results. Each is a typed 4xx in OpenAI's error shape, never a 500 or a logged traceback,
+and requests in flight elsewhere run on undisturbed. Raw sockets send what no HTTP client would.
+A history with tool calls is served, rendered by the simple template and by a jinja one."""
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -25,7 +27,10 @@ from pdserve.api.serving import serve_in_thread
 from pdserve.api.tokenizer import ByteLevelTokenizer
 from pdserve.cluster.config import ApiSection
 from pdserve.model.config import preset
+from pdserve.api.tokenizer import load_tokenizer
 from pdserve.model.generate import ReferenceEngine, build_model
+from test_tokenizer import (CALL, SIMPLE_TOOL_PROMPT, TOOL_PROMPT, TOOL_TEMPLATE, WEATHER,
+                            byte_model_dir)
 
 MODEL = "tiny"
 TOK = ByteLevelTokenizer()
@@ -36,10 +41,10 @@ BODY_TIMEOUT_S = 1.0
 
 
 @contextmanager
-def serve(**app_kwargs):
+def serve(tokenizer=TOK, **app_kwargs):
     engine = ReferenceEngine(build_model(preset(MODEL)))
     backend = LocalBackend(engine, max_batch=8, max_queue=64, model_name=MODEL)
-    with serve_in_thread(create_app(backend, TOK, **app_kwargs), startup_s=WAIT_S,
+    with serve_in_thread(create_app(backend, tokenizer, **app_kwargs), startup_s=WAIT_S,
                          shutdown_s=WAIT_S) as url:
         yield SimpleNamespace(url=url, engine=engine, backend=backend)
 
@@ -309,3 +314,127 @@ def test_sampling_bounds_themselves_are_accepted(main):
                                      extra_body=extra)
         assert out.usage.completion_tokens == 2
     assert_idle(main)
+
+
+# -- tools: a history with tool calls and results, tools described with tool_choice "none" -------
+# What an agent sends after running a tool: the call the model made and the tool's result.
+HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [CALL]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "21°C, sunny"}]
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=WAIT_S)
+
+
+def prompts_sent(srv, monkeypatch) -> list[list[int]]:
+    """Collects the prompt token ids of every request the server hands its (real) backend."""
+    sent, generate = [], srv.backend.generate
+
+    def spy(request, deadline_s):
+        sent.append(request.prompt)
+        return generate(request, deadline_s)
+    monkeypatch.setattr(srv.backend, "generate", spy)
+    return sent
+
+
+def test_tool_history_with_the_simple_template_is_served(main, monkeypatch):
+    sent = prompts_sent(main, monkeypatch)
+    out = client(main).chat.completions.create(
+        model=MODEL, messages=HISTORY, tools=[WEATHER], tool_choice="none",
+        parallel_tool_calls=False, max_tokens=3)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+    assert out.choices[0].message.tool_calls is None  # never parsed out of the output
+    assert [TOK.decode(p) for p in sent] == [SIMPLE_TOOL_PROMPT]
+    assert out.usage.prompt_tokens == len(SIMPLE_TOOL_PROMPT.encode())
+    assert_idle(main)
+
+
+def test_tool_history_with_a_jinja_template_is_served(tmp_path, monkeypatch):
+    directory, vocab_size = byte_model_dir(tmp_path, "hf", TOOL_TEMPLATE)
+    tok = load_tokenizer(str(directory), vocab_size)
+    with serve(tok) as srv:
+        sent = prompts_sent(srv, monkeypatch)
+        out = client(srv).chat.completions.create(
+            model=MODEL, messages=HISTORY, tools=[WEATHER], tool_choice="none", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        # the tool's result and schema reach the model as the template writes them
+        assert [tok.decode(p) for p in sent] == [TOOL_PROMPT]
+        assert_idle(srv)
+
+
+def _edit(body: dict, path: str, value) -> None:
+    """Sets `value` at the dotted `path` of `body` ("messages.1.tool_calls"); `...` removes
+    the key."""
+    *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    node = body
+    for key in parents:
+        node = node[key]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+
+
+MALFORMED = [
+    ("messages.1.tool_calls.0.function.name", 5, "messages[1].tool_calls[0].function.name",
+     "Expected `str`, got `int`"),
+    ("messages.1.tool_calls.0.function.arguments", {"city": "Paris"},
+     "messages[1].tool_calls[0].function.arguments", "Expected `str`, got `object`"),
+    ("messages.1.tool_calls.0.function.arguments", ...,
+     "messages[1].tool_calls[0].function.arguments", "is required"),
+    ("messages.1.tool_calls.0.function", "get_weather", "messages[1].tool_calls[0].function",
+     "Expected `object`, got `str`"),
+    ("messages.1.tool_calls.0.id", ..., "messages[1].tool_calls[0].id", "is required"),
+    ("messages.1.tool_calls.0.type", "fn", "messages[1].tool_calls[0].type",
+     "Invalid enum value 'fn'"),
+    ("messages.1.tool_calls.0.index", 0, "messages[1].tool_calls[0].index", "unknown"),
+    ("messages.1.tool_calls", "get_weather", "messages[1].tool_calls",
+     "Expected `array | null`, got `str`"),
+    ("messages.0.tool_calls", [CALL], "messages[0].tool_calls",
+     "only allowed in assistant messages"),
+    ("messages.2.tool_call_id", ..., "messages[2].tool_call_id",
+     "required in a tool message"),
+    ("messages.2.tool_call_id", 1, "messages[2].tool_call_id", "Expected `str | null`"),
+    ("messages.0.tool_call_id", "call_1", "messages[0].tool_call_id",
+     "only allowed in tool messages"),
+    ("messages.2.content", None, "messages[2].content", "messages[2].content is required"),
+    ("messages.2.role", "function", "messages[2].role",
+     "role 'function' (OpenAI's deprecated function calling) is not supported"),
+    ("messages.1.function_call", {"name": "get_weather", "arguments": "{}"},
+     "messages[1].function_call", "deprecated function calling) is not supported"),
+    ("tools.0.function.name", ..., "tools[0].function.name", "is required"),
+    ("tools.0.type", "retrieval", "tools[0].type", "Invalid enum value 'retrieval'"),
+    ("tools.0.function.parameters", "object", "tools[0].function.parameters",
+     "Expected `object | null`, got `str`"),
+    ("tools.0.function.examples", [], "tools[0].function.examples", "unknown"),
+]
+
+
+@pytest.mark.parametrize("path,value,param,words", MALFORMED,
+                         ids=[f"{p}={v!r}" for p, v, _, _ in MALFORMED])
+def test_malformed_tool_fields_are_400_naming_the_field(main, path, value, param, words):
+    body = {"messages": copy.deepcopy(HISTORY), "tools": [copy.deepcopy(WEATHER)]}
+    _edit(body, path, value)
+    with pytest.raises(openai.BadRequestError) as err:
+        client(main).chat.completions.create(model=MODEL, tool_choice="none", max_tokens=2,
+                                             **body)
+    error = err.value.body
+    assert error["message"].startswith(param) and words in error["message"], error
+    assert (error["param"], error["code"]) == (param, 400), error
+
+
+@pytest.mark.parametrize("choice", [
+    {}, {"tool_choice": "auto"}, {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}],
+    ids=["absent", "auto", "required", "named"])
+def test_tool_choice_other_than_none_is_400(main, choice):
+    with pytest.raises(openai.BadRequestError) as err:
+        client(main).chat.completions.create(model=MODEL, messages=HISTORY, tools=[WEATHER],
+                                             max_tokens=2, **choice)
+    assert err.value.body["param"] == "tool_choice"
+    assert "this server does not parse tool calls out of the model's output; send " \
+           "tool_choice 'none'" in err.value.message
+    got = repr(choice["tool_choice"]) if choice else "absent with tools, which means 'auto'"
+    assert got in err.value.message

@@ -1,15 +1,19 @@
 """The API's tokenizers and streamed text: one byte-level tokenizer, and `TextStream` over
 `tokenizers.decoders.DecodeStream` for it and for a Hugging Face byte-level BPE, where multi-byte
 UTF-8 characters split across tokens stream whole and the pieces add up to the full decode; chat
-template sources and stop tokens. Kimi's tiktoken layout: tests/test_kimi_layout.py."""
+template sources and stop tokens; tool calls, tool results and `tools` through a real jinja
+template and the simple one, for each tokenizer kind. Kimi's tiktoken layout:
+tests/test_kimi_layout.py."""
 from __future__ import annotations
 
+import base64
 import json
 import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pdserve.api.chat_template import simple_chat_template
 from pdserve.api.tokenizer import ByteLevelTokenizer, TextStream, load_tokenizer
 
 TEXT = "héllo 世界 🙂"
@@ -148,3 +152,94 @@ def test_chat_template_sources_and_transformers_extras(tmp_path):
 def test_stop_tokens_include_the_end_of_a_chat_turn(tmp_path):
     # no eos_token, no generation_config: <|im_end|> (Kimi's and ChatML's end of turn) still
     assert _tok_dir(tmp_path, {}).stop_token_ids == [1]
+
+
+# -- tools: tool calls and results in the history, `tools` in the prompt ----------------------
+# A small template that uses all of it, as tool-use templates do: the tool schemas through
+# `tools`, an assistant's `tool_calls`, a tool result's `tool_call_id`.
+TOOL_TEMPLATE = """\
+{% if tools %}
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+{% endif %}
+{% for m in messages %}
+{% if m.role == 'tool' %}
+<result of="{{ m.tool_call_id }}">{{ m.content }}</result>
+{% else %}
+<{{ m.role }}>{{ m.content }}{% for call in m.tool_calls or [] %}<call id="{{ call.id }}">\
+{{ call.function.name }}({{ call.function.arguments }})</call>{% endfor %}</{{ m.role }}>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+# a conversation as the server hands it to the template (a calls-only turn's content is "")
+TOOL_MESSAGES = [{"role": "user", "content": "Weather in Paris?"},
+                 {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "21°C, sunny"}]
+SCHEMA_LINE = ('{"type": "function", "function": {"name": "get_weather", "description": '
+               '"Current weather in a city", "parameters": {"type": "object", "properties": '
+               '{"city": {"type": "string"}}, "required": ["city"]}}}')
+TOOL_PROMPT = ("<tools>\n" + SCHEMA_LINE + "\n</tools>\n"
+               "<user>Weather in Paris?</user>\n"
+               '<assistant><call id="call_1">get_weather({"city": "Paris"})</call></assistant>\n'
+               '<result of="call_1">21°C, sunny</result>\n'
+               "<assistant>")
+SIMPLE_TOOL_PROMPT = ("<|tools|>\n" + SCHEMA_LINE + "\n"
+                      "<|user|>\nWeather in Paris?\n"
+                      '<|assistant|>\n{"tool_calls": [{"id": "call_1", "type": "function", '
+                      '"function": {"name": "get_weather", "arguments": "{\\"city\\": '
+                      '\\"Paris\\"}"}}]}\n'
+                      "<|tool|>\n21°C, sunny\n"
+                      "<|assistant|>\n")
+
+
+def byte_model_dir(path, kind: str, template: str | None):
+    """A model directory whose tokenizer is one token per byte, as `tokenizer.json` (kind "hf",
+    256 ids) or Kimi's `tiktoken.model` ("tiktoken": 256 ranks and 256 reserved specials), with
+    `template` as its chat_template.jinja; returns (directory, vocab_size)."""
+    if kind == "hf":
+        ByteLevelTokenizer().backend.save(str(path / "tokenizer.json"))
+    else:
+        (path / "tiktoken.model").write_text("".join(
+            f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    (path / "tokenizer_config.json").write_text("{}")
+    if template is not None:
+        (path / "chat_template.jinja").write_text(template)
+    return path, 256 if kind == "hf" else 512
+
+
+@pytest.mark.parametrize("kind", ["hf", "tiktoken"])
+def test_chat_prompt_renders_tools_and_tool_messages(tmp_path, kind):
+    directory, vocab_size = byte_model_dir(tmp_path, kind, TOOL_TEMPLATE)
+    tok = load_tokenizer(str(directory), vocab_size)
+    assert tok.decode(tok.chat_prompt(TOOL_MESSAGES, [WEATHER])) == TOOL_PROMPT
+    # without tools the template's tools block is left out
+    assert tok.decode(tok.chat_prompt(TOOL_MESSAGES)) == TOOL_PROMPT.split("</tools>\n")[1]
+
+
+@pytest.mark.parametrize("kind", ["hf", "tiktoken"])
+def test_simple_template_renders_tools_and_tool_messages(tmp_path, kind):
+    directory, vocab_size = byte_model_dir(tmp_path, kind, None)
+    tok = load_tokenizer(str(directory), vocab_size)
+    assert tok.decode(tok.chat_prompt(TOOL_MESSAGES, [WEATHER])) == SIMPLE_TOOL_PROMPT
+    assert ByteLevelTokenizer().chat_prompt(TOOL_MESSAGES, [WEATHER]) == \
+        list(SIMPLE_TOOL_PROMPT.encode())
+
+
+def test_simple_template_puts_tool_calls_after_the_content():
+    said = [{"role": "assistant", "content": "Checking.", "tool_calls": [CALL]}]
+    assert simple_chat_template(said) == (
+        '<|assistant|>\nChecking.\n{"tool_calls": [{"id": "call_1", "type": "function", '
+        '"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}]}\n'
+        "<|assistant|>\n")
+    # no tools, no calls: the template as it always was
+    assert simple_chat_template([{"role": "user", "content": "hé"}], []) == \
+        "<|user|>\nhé\n<|assistant|>\n"

@@ -22,10 +22,27 @@ TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def simple_chat_template(messages: list[Message]) -> str:
+def simple_chat_template(messages: list[Message], tools: list[dict] | None = None) -> str:
     """The documented template for models without one: "<|role|>\\ncontent\\n" per message,
-    then "<|assistant|>\\n" to prompt the reply."""
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    then "<|assistant|>\\n" to prompt the reply. Tools and tool calls are JSON lines
+    (`json.dumps`, non-ASCII kept): readable, and the same text for the same request.
+    - `tools`, when given, come first: "<|tools|>\\n" and one line per tool;
+    - an assistant message's `tool_calls` follow its content (a line of its own, left out when
+      the content is empty) as one line `{"tool_calls": [...]}`;
+    - a tool result (role "tool") is "<|tool|>\\ncontent\\n", like any message."""
+    head = ("<|tools|>\n" + "".join(map(_json_line, tools))) if tools else ""
+    return head + "".join(map(_simple_turn, messages)) + "<|assistant|>\n"
+
+
+def _simple_turn(m: Message) -> str:
+    if not m.get("tool_calls"):
+        return f"<|{m['role']}|>\n{m['content']}\n"
+    content = f"{m['content']}\n" if m["content"] else ""
+    return f"<|{m['role']}|>\n{content}" + _json_line({"tool_calls": m["tool_calls"]})
+
+
+def _json_line(x) -> str:
+    return json.dumps(x, ensure_ascii=False) + "\n"
 
 
 def special_text(token) -> str | None:

@@ -21,13 +21,19 @@ list of prompts run as one backend request per choice (choice i*n + j: prompt i,
 seed is derived from `seed` and j). `logprobs` (completions: 0..20 alternatives; chat: `logprobs`
 + `top_logprobs`), `echo` with the prompt's logprobs, `stream_options` (`include_usage`,
 `continuous_usage_stats`) and `response_format` {"type": "text"}; `user`, `metadata`, `store`,
-`service_tier` are accepted and change nothing. OpenAI fields not implemented (`tools`,
-`tool_choice`, JSON modes, `logit_bias`, `suffix`, ...) are a 400 that names them. A chat
-without `max_tokens` runs to EOS or the end of the context; a completion stops after
-`default_max_tokens` (16, OpenAI's). A text prompt longer than the context could hold in any
-tokenization (`Tokenizer.max_token_chars` characters per token) is refused before it is
-tokenized. Extensions, spelled as in vLLM: `top_k` (0..vocabulary size, 0 = off),
-`ignore_eos`, and `return_token_ids` (each choice or chunk then carries the output `token_ids`).
+`service_tier` are accepted and change nothing. Tools as vLLM serves them without a tool-call
+parser: a history with tool calls (assistant `tool_calls`, their content then optional) and
+tool results (role "tool" with `tool_call_id`) goes to the chat template as transformers passes
+it, and `tools` are rendered through the template's `tools` variable with `tool_choice` "none";
+any other `tool_choice` (or none with tools, which means "auto") is a 400, since the output is
+never parsed for tool calls. `parallel_tool_calls` is accepted and changes nothing. OpenAI
+fields not implemented (deprecated function calling, JSON modes, `logit_bias`, `suffix`, ...)
+are a 400 that names them. A chat without `max_tokens` runs to EOS or the end of the context;
+a completion stops after `default_max_tokens` (16, OpenAI's). A text prompt longer than the
+context could hold in any tokenization (`Tokenizer.max_token_chars` characters per token) is
+refused before it is tokenized. Extensions, spelled as in vLLM: `top_k` (0..vocabulary size,
+0 = off), `ignore_eos`, and `return_token_ids` (each choice or chunk then carries the output
+`token_ids`).
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
 import msgspec
 from fastapi import FastAPI
@@ -49,6 +55,7 @@ from starlette.responses import Response, StreamingResponse
 
 from pdserve.api.backend import (BackendUnavailable, BadRequest, DeadlineExceeded,
                                  GenerationBackend, Overloaded, TokenEvent)
+from pdserve.api.chat_template import Message
 from pdserve.api.logprobs import LogprobWriter, merge
 from pdserve.api.metrics import ApiMetrics
 from pdserve.api.tokenizer import TextStream, Tokenizer
@@ -135,14 +142,37 @@ class CompletionBody(_Body, kw_only=True):
     suffix: str | None = None
 
 
+class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text as the model wrote it; templates get it as sent (OpenAI's)
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str  # omit_defaults: the template sees only the keys the client sent
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: bool | None = None  # moot: no call is generated (tool_choice "none")
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: str
     content: Any = None  # a string or a list of text parts; checked by hand
     name: str | None = None  # given to the chat template; the simple template leaves it out
     refusal: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
-    function_call: Any = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None           # tool messages: the call they answer
+    function_call: Any = None  # OpenAI's deprecated function calling: refused by name
 
 
 class ChatBody(_Body, kw_only=True):
@@ -150,9 +180,9 @@ class ChatBody(_Body, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools
-    tools: Any = None
-    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # moot: no call is generated (tool_choice "none")
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # only "none": see _chat_tools
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -164,11 +194,11 @@ class ChatBody(_Body, kw_only=True):
 
 # field -> what it may be set to here (what every client sends when it means "off")
 _UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "audio": (),
-    "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    "logit_bias": ({},), "suffix": ("",), "functions": ([],), "function_call": ("none",),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (),
 }
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 64  # n x prompts: each is a request of its own
 
 
@@ -280,26 +310,62 @@ def _completion_prompt(prompt: str | list[int], tokenizer: Tokenizer, where: str
     return ids
 
 
-def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
+def _chat_tools(body: ChatBody) -> list[dict] | None:
+    """The tools to describe to the model in the prompt (the template's `tools`), or None.
+
+    As vLLM without a tool-call parser: the output is never parsed for tool calls, so only
+    tool_choice "none" can be honoured. "auto" (also the default when tools are given),
+    "required" and a named function all promise calls returned as `tool_calls`."""
+    choice = body.tool_choice
+    if choice not in (None, "none") or (body.tools and choice is None):
+        got = "absent with tools, which means 'auto'" if choice is None else f"got {choice!r}"
+        raise _bad(f"tool_choice is not supported by this server unless it is 'none' ({got}): "
+                   "this server does not parse tool calls out of the model's output; send "
+                   "tool_choice 'none' to have the tools described in the prompt",
+                   "tool_choice")
+    return msgspec.to_builtins(body.tools) if body.tools else None
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[Message]:
     if not messages:
         raise _bad("messages must contain at least one message", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if m.role in ("tool", "function"):
-            raise _bad(f"messages[{i}].role {m.role!r}: tools are not supported by this server",
-                       f"messages[{i}].role")
-        if m.role not in _ROLES:
-            raise _bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {m.role!r}",
-                       f"messages[{i}].role")
-        for field in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(m, field) is not None:
-                raise _bad(f"messages[{i}].{field} is not supported by this server (no tools)",
-                           f"messages[{i}].{field}")
-        message = {"role": m.role, "content": _message_text(m.content, f"messages[{i}].content")}
-        if m.name is not None:
-            message["name"] = m.name
-        out.append(message)
-    return out
+    return [_chat_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _chat_message(m: ChatMessage, where: str) -> Message:
+    """A message as transformers hands it to a template: tool calls as dicts (arguments the
+    JSON text sent), a tool result with the id of the call it answers. The shapes of tool
+    calls are msgspec's to check (`ToolCall`); which role may carry what is checked here."""
+    if m.role == "function":
+        raise _bad(f"{where}.role 'function' (OpenAI's deprecated function calling) is not "
+                   "supported by this server; send a tool result as role 'tool' with "
+                   "tool_call_id", f"{where}.role")
+    if m.role not in _ROLES:
+        raise _bad(f"{where}.role must be one of {', '.join(_ROLES)}; got {m.role!r}",
+                   f"{where}.role")
+    if m.function_call is not None:
+        raise _bad(f"{where}.function_call (OpenAI's deprecated function calling) is not "
+                   "supported by this server; use tool_calls", f"{where}.function_call")
+    if m.tool_calls is not None and m.role != "assistant":
+        raise _bad(f"{where}.tool_calls is only allowed in assistant messages",
+                   f"{where}.tool_calls")
+    if m.role == "tool" and m.tool_call_id is None:
+        raise _bad(f"{where}.tool_call_id is required in a tool message (the id of the call it "
+                   "answers)", f"{where}.tool_call_id")
+    if m.role != "tool" and m.tool_call_id is not None:
+        raise _bad(f"{where}.tool_call_id is only allowed in tool messages",
+                   f"{where}.tool_call_id")
+    calls = msgspec.to_builtins(m.tool_calls) if m.tool_calls else None  # [] means no calls
+    # a turn that only calls tools has null content; templates expect text
+    content = "" if calls and m.content is None else _message_text(m.content, f"{where}.content")
+    message = {"role": m.role, "content": content}
+    if m.role == "tool":
+        message["tool_call_id"] = m.tool_call_id
+    if calls:
+        message["tool_calls"] = calls
+    if m.name is not None:
+        message["name"] = m.name
+    return message
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -422,10 +488,11 @@ class _Api:
             raise _bad(f"logprobs is not supported by this deployment: {self.no_logprobs}",
                        "logprobs")
         if chat:
+            tools = _chat_tools(body)
             messages = _chat_messages(body.messages)
             self._check_length(sum(len(m["content"]) for m in messages), "messages", "messages")
             try:
-                prompts = [self.tokenizer.chat_prompt(messages)]
+                prompts = [self.tokenizer.chat_prompt(messages, tools)]
             except ValueError as exc:  # e.g. a model's template insists roles alternate
                 raise _bad(f"messages: {exc}", "messages") from None
             field = "messages"

@@ -134,7 +134,7 @@ class TiktokenTokenizer:
         special = self._special_text.get(token)
         return special.encode() if special is not None else self._bytes(token)
 
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
+    def chat_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         if self._template is None:
-            return self.encode(simple_chat_template(messages))
-        return self.encode(self._template.render(messages))
+            return self.encode(simple_chat_template(messages, tools))
+        return self.encode(self._template.render(messages, tools=tools))

@@ -36,7 +36,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token: int) -> bytes: ...  # what one token stands for
-    def chat_prompt(self, messages: list[Message]) -> list[int]: ...
+    def chat_prompt(self, messages: list[Message], tools: list[dict] | None = None
+                    ) -> list[int]: ...  # `tools`: the template's `tools` variable
 
     def decode_stream(self) -> Callable[[int], str | None]:
         """A fresh incremental decoder: called with each token, it returns the text that
@@ -101,8 +102,8 @@ class ByteLevelTokenizer:
     def token_bytes(self, token: int) -> bytes:
         return bytes([token])
 
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        return self.encode(simple_chat_template(messages))
+    def chat_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(simple_chat_template(messages, tools))
 
 
 def read_json(path: Path) -> dict:
@@ -158,11 +159,12 @@ class HFTokenizer:
     def token_bytes(self, token: int) -> bytes:
         return self.decode([token]).encode()
 
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
+    def chat_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         if self._template is None:
-            return self.encode(simple_chat_template(messages))
+            return self.encode(simple_chat_template(messages, tools))
         # The template writes the special tokens itself.
-        return self._tok.encode(self._template.render(messages), add_special_tokens=False).ids
+        text = self._template.render(messages, tools=tools)
+        return self._tok.encode(text, add_special_tokens=False).ids
 
 
 def load_tokenizer(model_spec: str, vocab_size: int) -> Tokenizer:
