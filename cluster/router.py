@@ -585,6 +585,7 @@ class Router:
         (state held until decode reads it) is backpressure: wait and retry, then 429."""
         tried = set()
         give_up = time.monotonic() + full_wait_s
+        full = None  # the last PoolExhausted seen: a deadline met while waiting for room is a 429
         while True:
             live = [p for p in self.prefill if p.inst.alive and p.inst.name not in tried]
             if not live:
@@ -605,14 +606,17 @@ class Router:
                 fut.add_done_callback(self._free_unread)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
+                if full is not None:
+                    raise full from full.__cause__
                 raise BackendUnavailable("prefill did not finish within the request deadline") from None
             if res.error is None:
                 return res.handle
             err = remote_cause(res.exc) if res.exc is not None else None
             if isinstance(err, PoolExhausted):
+                full = Overloaded(f"prefill instance {q.inst.name} is full: {res.error}", 1.0)
+                full.__cause__ = err
                 if time.monotonic() > min(give_up, end or give_up):
-                    raise Overloaded(f"prefill instance {q.inst.name} is full: {res.error}",
-                                     1.0) from err
+                    raise full from err
                 tried.discard(q.inst.name)
                 await asyncio.sleep(0.05)
                 continue

@@ -70,9 +70,17 @@ def decode_to_end(decoder, seqs):
     return [s.output for s in seqs]
 
 
+_MONOLITHIC: dict[str, list] = {}
+
+
 def monolithic(config, prompts, params):
-    eng = ReferenceEngine(build_model(config, seed=5), LAYOUT)
-    return [s.output for s in eng.generate(prompts, params)]
+    """The reference tokens, computed once per (config, prompts, params) for the test run (the
+    reduced kimi-linear's take ~15 s on CI, and several tests compare against the same ones)."""
+    key = repr((config, prompts, params))
+    if key not in _MONOLITHIC:
+        eng = ReferenceEngine(build_model(config, seed=5), LAYOUT)
+        _MONOLITHIC[key] = [s.output for s in eng.generate(prompts, params)]
+    return [list(out) for out in _MONOLITHIC[key]]
 
 
 @pytest.mark.parametrize("name", ["tiny", "kimi-linear-reduced"])

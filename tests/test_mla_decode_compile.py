@@ -56,8 +56,8 @@ def replaced(v: Attention, **fields) -> Attention:
     return dataclasses.replace(v, **fields)
 
 
-@pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 128), (32, 128),
-                                               (16, 256), (32, 256)])
+# both head paddings and the smallest and largest page (each compile takes ~10 s on CI)
+@pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 256)])
 def test_bf16_kernel_compiles(h_pad, page_tokens, tmp_path):
     v = variant(False, h_pad, page_tokens)
     assert (v.consumers, v.d_split, v.pool_div, v.bf16_partials) == (1, 1, 0, False)
@@ -225,7 +225,7 @@ def _named_barriers(ptx):
 # the two fp8 consumers' barriers (test_fp8_kernel_compiles says which is which)
 PAIR_BARRIERS = [("sync", "0")] + [("sync", "%r, 128")] * 3 + [("sync", "3, 256")] * 4
 
-@pytest.mark.parametrize("h_pad,page_tokens", [(16, 64), (32, 64), (16, 256), (32, 128)])
+@pytest.mark.parametrize("h_pad,page_tokens", [(16, 256), (32, 64)])
 def test_fp8_kernel_compiles(h_pad, page_tokens, tmp_path):
     """The fp8 cache with the two-term query: S^T = K (Q_hi + Q_lo)^T with the native e4m3
     wgmma m64nNk32 (A = the raw fp8 stage in smem, B = Q_hi / Q_lo in smem, no K conversion);
