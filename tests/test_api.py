@@ -237,7 +237,7 @@ BAD = [
                           "max_completion_tokens": 0}, "max_completion_tokens must be >= 1"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                           "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools is not supported by this server"),
+     "tool_choice is not supported by this server unless it is 'none'"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                           "tool_choice": "auto"}, "tool_choice is not supported by this server"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
@@ -245,12 +245,9 @@ BAD = [
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                           "response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format of type 'json_schema' is not supported by this server"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "a",
-                                                        "tool_call_id": "c1"}]},
-     "messages[0].role 'tool': tools are not supported by this server"),
     ("chat/completions", {"model": MODEL, "messages": [
         {"role": "assistant", "content": "a", "tool_calls": [{"id": "c1"}]}]},
-     "messages[0].tool_calls is not supported by this server"),
+     "messages[0].tool_calls[0].type is required"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                           "top_logprobs": 3}, "top_logprobs needs logprobs=true"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
@@ -373,9 +370,11 @@ def test_mixed_concurrent_load_loses_nothing(model):
         return f"{r.status_code} {done}"
 
     async def load(url: str) -> list[str]:
-        async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
+        # 60 requests queue behind 8 slots: on a loaded 2-core machine a request can wait
+        # several seconds before its first token, so each gets 3 x WAIT_S (a hang guard)
+        async with httpx.AsyncClient(base_url=url, timeout=3 * WAIT_S) as http:
             return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(60))),
-                                          timeout=3 * WAIT_S)
+                                          timeout=6 * WAIT_S)
 
     with serve(srv.backend) as url:
         results = asyncio.run(load(url))
