@@ -345,7 +345,7 @@ def _kimi_linear() -> dict[str, Any]:
     mla = [4, 8, 12, 16, 20, 24, 27]
     return dict(
         model_type="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
-        intermediate_size=9216, bos_token_id=163584, eos_token_id=163585,
+        intermediate_size=9216, bos_token_id=163584, eos_token_id=163586,
         linear_attn_config=dict(**_layers(27, mla), num_heads=32, head_dim=128,
                                 short_conv_kernel_size=4),
         num_attention_heads=32, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -361,7 +361,7 @@ def _kimi_k3() -> dict[str, Any]:
     mla = list(range(4, 93, 4)) + [93]
     return dict(
         model_type="kimi_k3", vocab_size=163840, hidden_size=7168, num_hidden_layers=93,
-        intermediate_size=33792, bos_token_id=163584, eos_token_id=163585,
+        intermediate_size=33792, bos_token_id=163584, eos_token_id=163586,
         linear_attn_config=dict(**_layers(93, mla), num_heads=96, head_dim=128,
                                 short_conv_kernel_size=4, gate_lower_bound=-5.0,
                                 use_full_rank_gate=True),
