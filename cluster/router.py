@@ -607,7 +607,7 @@ class Router:
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 if full is not None:
-                    raise full from full.__cause__
+                    raise full  # its __cause__: the PoolExhausted it reports
                 raise BackendUnavailable("prefill did not finish within the request deadline") from None
             if res.error is None:
                 return res.handle
@@ -616,7 +616,7 @@ class Router:
                 full = Overloaded(f"prefill instance {q.inst.name} is full: {res.error}", 1.0)
                 full.__cause__ = err
                 if time.monotonic() > min(give_up, end or give_up):
-                    raise full from err
+                    raise full
                 tried.discard(q.inst.name)
                 await asyncio.sleep(0.05)
                 continue
